@@ -1,0 +1,1 @@
+"""Pure GRPO algorithm functions: advantages, KL estimators, losses and rewards (CPU-testable)."""

@@ -1,0 +1,1 @@
+"""``rollplex bench``: workloads measured side by side in one process on the GPU."""

@@ -1,0 +1,114 @@
+"""Shared pieces of ``rollplex bench``: a random-weight model on the device, synthetic prompts, timing.
+
+Benchmarks run on random weights (so every response runs the full budget) and synthetic vision
+tensors of the exact shapes real videos produce; numbers are measured side by side in one process.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from rollplex.models.forward import prepare_model
+from rollplex.models.positions import VisionTokens, rope_positions
+from rollplex.types import Prompt, Record
+
+_RECORD = Record(
+    0, "synthetic", "video", "multiple choice", ("A. a", "B. b"), "<answer>A</answer>", "./x.mp4", ""
+)
+
+
+def random_model(preset: str, device: torch.device, dtype: torch.dtype, seed: int = 0):
+    """Preset ``preset`` with random weights built directly on ``device``, routed through rollplex
+    attention, in inference mode (dropout off)."""
+    from rollplex.models.presets import init_model
+
+    model = init_model(preset, seed=seed, dtype=dtype, device=device)
+    prepare_model(model)
+    model.train(False)
+    return model
+
+
+@dataclass(frozen=True)
+class PromptShape:
+    """A video prompt: ``text_tokens`` of text around one video of ``grid`` (t, h, w) patches."""
+
+    text_tokens: int
+    grid: tuple[int, int, int]
+    second_per_grid: float = 1.0
+
+    @property
+    def length(self) -> int:
+        t, h, w = self.grid
+        return self.text_tokens + t * h * w // 4
+
+
+def synthetic_prompt(model, shape: PromptShape, seed: int, device, dtype) -> Prompt:
+    """Random text ids (outside the special range) + a video span of random pixel rows."""
+    cfg = model.config
+    g = torch.Generator().manual_seed(seed)
+    t, h, w = shape.grid
+    before = shape.text_tokens // 3
+    text = torch.randint(*text_id_range(model), (shape.text_tokens,), generator=g)
+    video = torch.full((t * h * w // 4,), cfg.video_token_id)
+    start, end = torch.tensor([cfg.vision_start_token_id]), torch.tensor([cfg.vision_end_token_id])
+    ids = torch.cat([text[: before - 1], start, video, end, text[before + 1 :]])
+    grid = torch.tensor([[t, h, w]])
+    spg = torch.tensor([shape.second_per_grid], dtype=torch.float64)
+    positions, nxt = rope_positions(
+        ids, VisionTokens.from_config(cfg), video_grid_thw=grid, second_per_grid_ts=spg
+    )
+    pixels = torch.randn(t * h * w, 1176, generator=g).to(device, dtype)
+    return Prompt(
+        record=_RECORD,
+        input_ids=ids.to(device),
+        position_ids=positions.to(device),
+        next_position=nxt,
+        content_key=f"synthetic-{seed}",
+        pixel_values_videos=pixels,
+        video_grid_thw=grid.to(device),
+        second_per_grid_ts=spg,
+    )
+
+
+def text_id_range(model) -> tuple[int, int]:
+    """[low, high) of ordinary token ids used for random text and responses (below every special id)."""
+    high = min(5000, model.config.vision_start_token_id - 32)
+    return min(100, high // 2), high
+
+
+def timed(fn: Callable[[], object], repeats: int, device: torch.device) -> tuple[list[float], object]:
+    """Run ``fn`` ``repeats`` times; wall seconds of each (device synchronised) and the last result."""
+    times, out = [], None
+    for _ in range(repeats):
+        _sync(device)
+        start = time.perf_counter()
+        out = fn()
+        _sync(device)
+        times.append(time.perf_counter() - start)
+    return times, out
+
+
+def peak_gib(fn: Callable[[], object], device: torch.device) -> tuple[float, object]:
+    """Peak device memory above the level at entry (GiB) while ``fn`` runs, and its result."""
+    if device.type != "cuda":
+        return float("nan"), fn()
+    _sync(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    base = torch.cuda.memory_allocated(device)
+    out = fn()
+    _sync(device)
+    return (torch.cuda.max_memory_allocated(device) - base) / 2**30, out
+
+
+def median(values: list[float]) -> float:
+    return statistics.median(values) if values else float("nan")
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)

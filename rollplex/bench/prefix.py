@@ -1,0 +1,231 @@
+"""``rollplex bench prefix``: prefix + suffix against the naive per-sequence way, side by side.
+
+Workload: G prompt groups of one video prompt each (≈ ``prompt_tokens`` tokens, most of them video),
+N responses of R tokens per group, random weights. Two roles are measured:
+
+- reference scoring (no graph): rollplex = one detached prefix per group + the N suffixes against the
+  shared boundary KV; naive = every one of the N sequences runs the vision tower and the whole
+  prompt + response (as Video-R1 and TRL do, one sequence per micro-batch).
+- actor forward + backward of a GRPO-shaped loss: rollplex = one attached prefix per group + suffixes,
+  backward through the boundary KV into the prefix and the vision tower, one group per micro-batch;
+  naive = one sequence per micro-batch.
+
+Reported per role: median step time and peak device memory above the weights, and their ratios; plus
+the suffix-pass peak memory for several N at fixed prompt length (it must grow with N·R, not N·P),
+and the bf16 agreement of the two ways' log-probs.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import asdict, dataclass, field
+from functools import partial
+from pathlib import Path
+
+import torch
+
+from rollplex.bench.common import (
+    PromptShape,
+    median,
+    peak_gib,
+    random_model,
+    synthetic_prompt,
+    text_id_range,
+)
+from rollplex.models.attention import PrefixPlan
+from rollplex.models.forward import _decoder, _token_logprobs_chunked, prefix_forward, prompt_embeddings
+from rollplex.models.forward import suffix_logprobs as suffix_lp
+from rollplex.types import Prompt
+
+
+@dataclass(frozen=True)
+class PrefixBenchConfig:
+    """Workload of ``rollplex bench prefix`` (defaults: the 3B workload of docs/benchmarks.md)."""
+
+    preset: str = "qwen2.5-vl-3b"
+    groups: int = 8
+    group_size: int = 8
+    response_tokens: int = 512
+    text_tokens: int = 400
+    grid: tuple[int, int, int] = (16, 20, 44)  # 32 frames of 280×616 px: 3,520 video tokens
+    repeats: int = 1
+    suffix_group_sizes: tuple[int, ...] = (4, 8, 16)
+    dtype: str = "bfloat16"
+
+
+@dataclass
+class PrefixBenchResult:
+    config: dict
+    prompt_tokens: int
+    rows: dict = field(default_factory=dict)
+    suffix_memory: dict = field(default_factory=dict)
+    logprob_agreement: dict = field(default_factory=dict)
+
+
+def naive_logprobs(model, prompt: Prompt, responses: torch.Tensor, banned: torch.Tensor) -> torch.Tensor:
+    """Log-probs [n, R] of n sequences that each carry their own copy of the prompt and video (the vision
+    tower runs n times), batched into one full causal forward."""
+    n, r = responses.shape
+    embeds = (
+        prompt_embeddings(model, prompt).expand(n, -1, -1)
+        if n == 1
+        else torch.cat([prompt_embeddings(model, prompt) for _ in range(n)])
+    )
+    embeds = torch.cat([embeds, model.model.language_model.embed_tokens(responses)], dim=1)
+    steps = prompt.next_position + torch.arange(r, device=responses.device)
+    positions = torch.cat([prompt.position_ids, steps.expand(3, -1)], dim=1)[:, None, :].expand(3, n, -1)
+    hidden = _decoder(model, embeds, positions, PrefixPlan())
+    p = prompt.length
+    return _token_logprobs_chunked(model, hidden[:, p - 1 : -1], responses, 1.0, banned)
+
+
+def _rollplex_pass(model, prompts, responses, n, banned, attached: bool) -> torch.Tensor:
+    outs = []
+    for g, prompt in enumerate(prompts):
+        prefix = prefix_forward(model, [prompt], temperature=1.0, banned_ids=banned, attached=attached)
+        lp, _ = suffix_lp(
+            model, prefix, responses[g * n : (g + 1) * n], group_size=n, temperature=1.0, banned_ids=banned
+        )
+        if attached:
+            lp.float().mean().backward()
+            lp = lp.detach()
+        outs.append(lp)
+    return torch.cat(outs)
+
+
+def _naive_pass(model, prompts, responses, n, banned, attached: bool, per_group: bool) -> torch.Tensor:
+    """Naive scoring: micro-batches of one sequence, or of the N sequences of a group (``per_group``)."""
+    outs, step = [], n if per_group else 1
+    for b in range(0, responses.shape[0], step):
+        lp = naive_logprobs(model, prompts[b // n], responses[b : b + step], banned)
+        if attached:
+            (lp.float().mean() * step / n).backward()
+            lp = lp.detach()
+        outs.append(lp)
+    return torch.cat(outs)
+
+
+def _measure(name: str, fn, warm, repeats: int, device) -> tuple[float, float, torch.Tensor | None]:
+    """(median seconds, peak GiB of the first timed run, its output) after one warm-up call ``warm()``
+    (compilation, allocator growth); (nan, nan, None) when the device runs out of memory."""
+    try:
+        warm()
+        times, peaks, outs = [], [], []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            peak, result = peak_gib(fn, device)
+            times.append(time.perf_counter() - start)
+            peaks.append(peak)
+            outs.append(result)
+    except torch.OutOfMemoryError:
+        torch.cuda.empty_cache()
+        print(f"  {name}: out of memory", flush=True)
+        return float("nan"), float("nan"), None
+    print(f"  {name}: {median(times):.3f} s, peak {peaks[0]:.2f} GiB", flush=True)
+    return median(times), peaks[0], outs[0]
+
+
+def run_prefix_bench(cfg: PrefixBenchConfig, out: Path | None = None) -> PrefixBenchResult:
+    """Run the workload on CUDA (or CPU for smoke tests); print and return the table.
+
+    Raises:
+        ValueError: unknown preset.
+    """
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = getattr(torch, cfg.dtype)
+    model = random_model(cfg.preset, device, dtype)
+    model.requires_grad_(True)
+    banned = torch.tensor([model.config.image_token_id, model.config.video_token_id], device=device)
+    shape = PromptShape(cfg.text_tokens, cfg.grid)
+    prompts = [synthetic_prompt(model, shape, seed=g, device=device, dtype=dtype) for g in range(cfg.groups)]
+    n, r = cfg.group_size, cfg.response_tokens
+    responses = torch.randint(
+        *text_id_range(model), (cfg.groups * n, r), generator=torch.Generator().manual_seed(1)
+    ).to(device)
+    result = PrefixBenchResult(config=asdict(cfg), prompt_tokens=shape.length)
+    for role, attached in (("reference", False), ("actor", True)):
+        grad = torch.enable_grad() if attached else torch.no_grad()
+        with grad:
+            one = (model, prompts[:1], responses[:n], n, banned, attached)
+            every = (model, prompts, responses, n, banned, attached)
+            first_seq = (model, prompts[:1], responses[:1], n, banned, attached)
+            ours = _measure(
+                f"{role} rollplex, one group per micro-batch",
+                partial(_rollplex_pass, *every),
+                partial(_rollplex_pass, *one),
+                cfg.repeats,
+                device,
+            )
+            model.zero_grad(set_to_none=True)
+            seq = _measure(
+                f"{role} naive, one sequence per micro-batch",
+                partial(_naive_pass, *every, False),
+                partial(_naive_pass, *first_seq, False),
+                cfg.repeats,
+                device,
+            )
+            model.zero_grad(set_to_none=True)
+            group = _measure(
+                f"{role} naive, one group (N sequences) per micro-batch, first group only",
+                partial(_naive_pass, *one, True),
+                _nothing,
+                1,
+                device,
+            )
+        model.zero_grad(set_to_none=True)
+        result.rows[role] = {
+            "rollplex_s": ours[0],
+            "rollplex_peak_gib": ours[1],
+            "naive_seq_s": seq[0],
+            "naive_seq_peak_gib": seq[1],
+            "naive_group_s_per_group": group[0],
+            "naive_group_peak_gib": group[1],
+            "speedup_vs_naive_seq": seq[0] / ours[0],
+            "memory_ratio_naive_group": group[1] / ours[1],
+        }
+        if role == "reference" and seq[2] is not None:
+            diff = (ours[2].float() - seq[2].float()).abs()
+            result.logprob_agreement = {"max_abs": float(diff.max()), "mean_abs": float(diff.mean())}
+    result.suffix_memory = _suffix_memory(model, prompts[0], cfg, banned, device)
+    _print(result)
+    if out is not None:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(asdict(result), indent=2))
+    return result
+
+
+def _suffix_memory(model, prompt, cfg, banned, device) -> dict:
+    """Peak memory of one group's actor pass (attached prefix + N suffixes, forward + backward) for each
+    N at a fixed prompt: the prefix part is the same for every N, so the growth between rows is the
+    suffix's, which must scale with N·R (never with N·P)."""
+    rows = {}
+    for n in cfg.suffix_group_sizes:
+        generator = torch.Generator().manual_seed(n)
+        ids = torch.randint(*text_id_range(model), (n, cfg.response_tokens), generator=generator)
+        run = partial(_rollplex_pass, model, [prompt], ids.to(device), n, banned, True)
+        run()  # warm-up
+        peak, _ = peak_gib(run, device)
+        rows[str(n)] = {
+            "peak_gib": peak,
+            "suffix_tokens": n * cfg.response_tokens,
+            "prefix_tokens": prompt.length,
+        }
+        model.zero_grad(set_to_none=True)
+    return rows
+
+
+def _nothing() -> None:
+    return None
+
+
+def _print(result: PrefixBenchResult) -> None:
+    print(f"prompt tokens {result.prompt_tokens}, config {result.config}")
+    keys = list(next(iter(result.rows.values())).keys())
+    print(f"{'role':10} " + " ".join(f"{k:>22}" for k in keys))
+    for role, row in result.rows.items():
+        print(f"{role:10} " + " ".join(f"{row[k]:22.3f}" for k in keys))
+    print(
+        "suffix pass peak memory by N:", {k: round(v["peak_gib"], 2) for k, v in result.suffix_memory.items()}
+    )
+    print(f"log-prob agreement rollplex vs naive ({result.config['dtype']}):", result.logprob_agreement)

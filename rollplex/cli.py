@@ -1,0 +1,199 @@
+"""``rollplex`` command line: ``train``, ``data synth``, ``model init``, ``report``, ``bench``.
+
+Each handler imports what it runs inside its body, so ``rollplex --help`` loads no torch and a missing
+or broken component fails only its own command. User errors (``ValueError`` and its subclasses such as
+``ConfigError`` and ``DatasetError``) print one line ``rollplex: error: <message>`` on stderr and exit
+with status 2, without a traceback.
+
+Examples:
+    rollplex train                                   # the embedded default run
+    rollplex train run.yaml rollout.group_size=4 --resume
+    rollplex train --help-config
+    rollplex data synth --out data/synth --num 200 --seed 0 --families color,count
+    rollplex model init --preset tiny --out models/tiny
+    rollplex report runs/rollplex
+    rollplex bench prefix --out results/prefix.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+PRESETS = ("tiny", "qwen2.5-vl-3b", "qwen2.5-vl-7b", "qwen2.5-vl-32b")
+
+
+def split_train_args(items: Sequence[str]) -> tuple[str | None, list[str]]:
+    """``[CONFIG] key=value ...`` → (config path or None, overrides).
+
+    The first item is the config file when it has no ``=``. Raises ``ValueError`` for any later item
+    without ``=``.
+    """
+    items = list(items)
+    config = items.pop(0) if items and "=" not in items[0] else None
+    for item in items:
+        if "=" not in item:
+            raise ValueError(f"expected section.field=value after the config file, got {item!r}")
+    return config, items
+
+
+def _train(args: argparse.Namespace) -> None:
+    from rollplex.config import format_config_help, load_config, validate_for_training
+
+    if args.help_config:
+        print(format_config_help())
+        return
+    config, overrides = split_train_args(args.items)
+    base = None
+    if config is None:
+        from rollplex.defaults import default_run_config
+
+        base = default_run_config()
+    cfg = load_config(config, overrides, base)
+    validate_for_training(cfg)
+    from rollplex.loop import train
+
+    train(cfg, resume=args.resume)
+
+
+def _families(text: str) -> tuple[str, ...]:
+    families = tuple(name.strip() for name in text.split(",") if name.strip())
+    if not families:
+        raise argparse.ArgumentTypeError("expected a comma-separated list of family names")
+    return families
+
+
+def _data_synth(args: argparse.Namespace) -> None:
+    from rollplex.data.synth import generate_dataset
+
+    names = {"width": "width", "height": "height", "frames": "num_frames", "fps": "fps"}
+    names.update({"val_fraction": "val_fraction", "families": "families"})
+    options = {kwarg: getattr(args, flag) for flag, kwarg in names.items() if getattr(args, flag) is not None}
+    summary = generate_dataset(args.out, args.num, args.seed, **options, progress=True)
+    for split in ("train", "val"):
+        counts = getattr(summary, f"{split}_counts")
+        print(f"{split}: {getattr(summary, f'{split}_json')} ({sum(counts.values())} records)")
+
+
+def _model_init(args: argparse.Namespace) -> None:
+    import torch
+
+    from rollplex.models.presets import init_checkpoint
+
+    options = {"dtype": getattr(torch, args.dtype)} if args.dtype is not None else {}
+    init_checkpoint(args.preset, args.out, seed=args.seed, **options)
+    print(f"wrote {args.preset} checkpoint to {args.out}")
+
+
+def _report(args: argparse.Namespace) -> None:
+    from rollplex.observe.report import make_report
+
+    for path in make_report(args.run_dir):
+        print(path)
+
+
+def _grid(text: str) -> tuple[int, int, int]:
+    parts = tuple(int(x) for x in text.split(","))
+    if len(parts) != 3:
+        raise argparse.ArgumentTypeError("expected t,h,w (patch grid of the video)")
+    return parts
+
+
+def _bench_prefix(args: argparse.Namespace) -> None:
+    from rollplex.bench.prefix import PrefixBenchConfig, run_prefix_bench
+
+    fields = ("preset", "groups", "group_size", "response_tokens", "text_tokens", "grid", "repeats", "dtype")
+    options = {name: getattr(args, name) for name in fields if getattr(args, name) is not None}
+    if args.suffix_group_sizes is not None:
+        options["suffix_group_sizes"] = tuple(int(x) for x in args.suffix_group_sizes.split(","))
+    run_prefix_bench(PrefixBenchConfig(**options), args.out)
+
+
+def _add_bench(sub: argparse._SubParsersAction) -> None:
+    bench = sub.add_parser("bench", help="GPU benchmarks, measured side by side").add_subparsers(
+        dest="bench_command", required=True
+    )
+    p = bench.add_parser("prefix", help="prefix + suffix vs naive per-sequence scoring and training")
+    p.add_argument("--preset", choices=PRESETS, help="model size (default qwen2.5-vl-3b)")
+    p.add_argument("--groups", type=int, help="prompt groups G (default 8)")
+    p.add_argument("--group-size", type=int, help="responses per group N (default 8)")
+    p.add_argument("--response-tokens", type=int, help="response length R (default 512)")
+    p.add_argument("--text-tokens", type=int, help="text tokens per prompt (default 400)")
+    p.add_argument("--grid", type=_grid, help="video patch grid t,h,w (default 16,20,44: 3,520 tokens)")
+    p.add_argument("--repeats", type=int, help="timed repeats after one warm-up (default 2)")
+    p.add_argument("--suffix-group-sizes", help="N values of the suffix-memory sweep (default 4,8,16)")
+    p.add_argument("--dtype", choices=("bfloat16", "float32"), help="model dtype (default bfloat16)")
+    p.add_argument("--out", type=Path, help="write the results as JSON here")
+    p.set_defaults(handler=_bench_prefix)
+
+
+def _add_train(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("train", help="run GRPO training", description="Run GRPO training.")
+    p.add_argument(
+        "items", nargs="*", metavar="[CONFIG.yaml] [key=value]", help="config file, then overrides"
+    )
+    p.add_argument("--resume", action="store_true", help="continue from the run folder's latest checkpoint")
+    p.add_argument("--help-config", action="store_true", help="list every config field and exit")
+    p.set_defaults(handler=_train)
+
+
+def _add_data(sub: argparse._SubParsersAction) -> None:
+    data = sub.add_parser("data", help="dataset tools").add_subparsers(dest="data_command", required=True)
+    p = data.add_parser("synth", help="write a synthetic Video-R1 dataset with MP4 media")
+    p.add_argument("--out", type=Path, required=True, help="output folder (the data root)")
+    p.add_argument("--num", type=int, required=True, help="number of records")
+    p.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
+    p.add_argument("--width", type=int, help="frame width in pixels")
+    p.add_argument("--height", type=int, help="frame height in pixels")
+    p.add_argument("--frames", type=int, help="frames per video")
+    p.add_argument("--fps", type=float, help="video frame rate (frames per second)")
+    p.add_argument("--val-fraction", type=float, help="fraction of records in the held-out split")
+    p.add_argument("--families", type=_families, help="comma-separated question families")
+    p.set_defaults(handler=_data_synth)
+
+
+def _add_model(sub: argparse._SubParsersAction) -> None:
+    model = sub.add_parser("model", help="checkpoint tools").add_subparsers(
+        dest="model_command", required=True
+    )
+    p = model.add_parser("init", help="write a randomly initialised Qwen2.5-VL checkpoint")
+    p.add_argument("--preset", choices=PRESETS, required=True, help="model size")
+    p.add_argument("--out", type=Path, required=True, help="output checkpoint folder")
+    p.add_argument("--seed", type=int, default=0, help="initialisation seed (default 0)")
+    p.add_argument("--dtype", choices=("float32", "bfloat16"), help="weight dtype (default: the preset's)")
+    p.set_defaults(handler=_model_init)
+
+
+def _add_report(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("report", help="plot a run's metrics to PNGs in RUN_DIR/report/")
+    p.add_argument("run_dir", type=Path, metavar="RUN_DIR", help="run folder holding metrics.jsonl")
+    p.set_defaults(handler=_report)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The ``rollplex`` argument parser with its five commands."""
+    parser = argparse.ArgumentParser(
+        prog="rollplex", description="Synchronous on-policy GRPO post-training of Qwen2.5-VL models."
+    )
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for add in (_add_train, _add_data, _add_model, _add_report, _add_bench):
+        add(sub)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Parse ``argv`` (default ``sys.argv[1:]``) and run the command; returns the exit status.
+
+    Usage errors exit through argparse (status 2); a ``ValueError`` raised by the command prints
+    ``rollplex: error: <message>`` (joined into one line) on stderr and returns 2.
+    """
+    args = build_parser().parse_args(argv)
+    try:
+        args.handler(args)
+    except ValueError as exc:
+        message = " ".join(line.strip() for line in str(exc).splitlines() if line.strip())
+        print(f"rollplex: error: {message}", file=sys.stderr)
+        return 2
+    return 0

@@ -1,0 +1,470 @@
+"""Typed run configuration: declared once, validated at load.
+
+A ``Config`` has eight sections (``run``, ``model``, ``data``, ``rollout``, ``algo``, ``reward``,
+``optim``, ``eval``), each a keyword-only dataclass. Every field has a default and a one-line
+description with units in ``dataclasses.field(metadata={"help": ...})``; range limits and choices sit
+in the same metadata, so ``rollplex train --help-config`` and the validator read one table.
+
+Load order (later wins): dataclass defaults → ``base`` (a nested dict, e.g. the embedded default run)
+→ the YAML file → ``key=value`` overrides with dotted keys (``rollout.group_size=4``, values parsed as
+YAML scalars or lists). Unknown keys, wrong types, out-of-range values and conflicting fields raise
+``ConfigError`` naming the field path (and both values for a conflict).
+
+Sources of the defaults: Video-R1 training scripts and its vendored qwen-vl-utils constants
+(formats.md §1.5–1.6, §2.1); clip_high 0.28 is the DAPO "clip-higher" value.
+
+Example:
+    cfg = load_config("run.yaml", ["rollout.group_size=4", "optim.lr=2e-6"])
+    cfg.rollout.group_size   # 4
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+
+class ConfigError(ValueError):
+    """A configuration value is unknown, mistyped, out of range or conflicts with another field."""
+
+
+def _meta(
+    help: str,
+    *,
+    ge: float | None = None,
+    gt: float | None = None,
+    le: float | None = None,
+    lt: float | None = None,
+    choices: tuple[str, ...] | None = None,
+) -> dict[str, Any]:
+    """Field metadata: one-line description with units, limits (inclusive ``ge``/``le``, exclusive ``gt``/``lt``)."""
+    return {"help": help, "ge": ge, "gt": gt, "le": le, "lt": lt, "choices": choices}
+
+
+def _field(default: Any, help: str, **limits: Any) -> Any:
+    """A dataclass field with an immutable default and its ``_meta``."""
+    return field(default=default, metadata=_meta(help, **limits))
+
+
+@dataclass(kw_only=True)
+class RunConfig:
+    """Where the run writes, how long it runs, and on which device/dtype."""
+
+    out_dir: str = _field("runs/rollplex", "run folder (config, metrics.jsonl, checkpoints/, report/)")
+    seed: int = _field(0, "seed of python, numpy and torch RNGs", ge=0)
+    steps: int = _field(100, "optimizer steps to run in total", ge=1)
+    save_every: int = _field(50, "steps between checkpoints; 0 = only the final one", ge=0)
+    keep_checkpoints: int = _field(2, "newest checkpoints kept on disk", ge=1)
+    device: str = _field(
+        "auto", "compute device; auto = cuda when available", choices=("auto", "cpu", "cuda")
+    )
+    dtype: str = _field(
+        "auto",
+        "model dtype; auto = bfloat16 on cuda, float32 on cpu",
+        choices=("auto", "float32", "bfloat16", "float64"),
+    )
+    deterministic: bool = _field(False, "use deterministic torch algorithms (slower)")
+    schedule: str = _field("serial", "phase schedule of one iteration", choices=("serial",))
+    progress: bool = _field(True, "show a progress bar with ETA")
+    log_every: int = _field(1, "steps between metrics lines printed to the console", ge=1)
+
+
+@dataclass(kw_only=True)
+class ModelConfig:
+    """The policy checkpoint (also the frozen reference)."""
+
+    path: str = _field("", "local Hugging Face Qwen2.5-VL checkpoint folder (required)")
+    freeze_vision: bool = _field(False, "keep the vision tower and merger frozen")
+    gradient_checkpointing: bool = _field(False, "recompute decoder activations in backward")
+
+
+@dataclass(kw_only=True)
+class DataConfig:
+    """Video-R1 records and the media sampling of qwen-vl-utils (formats.md §1.6, §2)."""
+
+    train_path: str = _field("", "Video-R1 JSON/JSONL training records (required)")
+    val_path: str = _field("", "held-out Video-R1 JSON/JSONL records; '' = none")
+    data_root: str = _field("", "folder media paths are relative to; '' = folder of train_path")
+    template: str = _field("video_r1", "prompt template", choices=("video_r1", "answer_only"))
+    max_prompt_tokens: int = _field(8192, "longest prompt in tokens (vision tokens included)", ge=1)
+    shuffle: bool = _field(True, "shuffle training records each epoch")
+    video_fps: float = _field(2.0, "frames sampled per second of video", gt=0)
+    video_min_frames: int = _field(4, "fewest frames sampled per video", ge=2)
+    video_max_frames: int = _field(16, "most frames sampled per video", ge=2)
+    video_min_pixels: int = _field(100352, "min pixels per video frame after resize (128·28²)", ge=1)
+    video_max_pixels: int = _field(100352, "max pixels per video frame after resize (128·28²)", ge=1)
+    video_total_pixels: int = _field(90316800, "pixel budget of all frames of one video", ge=1)
+    image_min_pixels: int = _field(3136, "min pixels per image after resize (4·28²)", ge=1)
+    image_max_pixels: int = _field(200704, "max pixels per image after resize (256·28²)", ge=1)
+
+
+@dataclass(kw_only=True)
+class RolloutConfig:
+    """Sampling of the GRPO groups."""
+
+    group_size: int = _field(8, "responses sampled per prompt (N)", ge=2)
+    prompts_per_step: int = _field(8, "prompt groups per optimizer step (G)", ge=1)
+    max_response_tokens: int = _field(768, "response budget in tokens (R)", ge=1)
+    temperature: float = _field(1.0, "sampling temperature; log-probs use log_softmax(logits/T)", gt=0)
+    top_p: float = _field(1.0, "nucleus sampling mass, in (0, 1]", gt=0, le=1)
+    top_k: int = _field(0, "sample from the k most likely tokens; 0 = off", ge=0)
+
+
+@dataclass(kw_only=True)
+class AlgoConfig:
+    """GRPO advantages, PPO-clip loss, KL to the reference, loss aggregation."""
+
+    normalize_std: bool = _field(True, "divide group advantages by the group reward std")
+    clip_low: float = _field(0.2, "PPO clip: ratio lower bound is 1 - clip_low", ge=0)
+    clip_high: float = _field(0.28, "PPO clip: ratio upper bound is 1 + clip_high", ge=0)
+    kl_coef: float = _field(0.04, "weight of the KL-to-reference term (beta); 0 = off", ge=0)
+    kl_estimator: str = _field("k3", "per-token KL estimator", choices=("k1", "k3"))
+    kl_log_ratio_bound: float = _field(20.0, "clamp of |log(ref/actor)| before exp in k3", gt=0)
+    loss_agg: str = _field(
+        "token-mean",
+        "loss aggregation over tokens and sequences",
+        choices=("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"),
+    )
+    mini_batches: int = _field(1, "optimizer updates per rollout batch", ge=1)
+    micro_batch_groups: int = _field(
+        0, "groups per gradient-accumulation micro-batch; 0 = whole mini-batch", ge=0
+    )
+
+
+@dataclass(kw_only=True)
+class RewardConfig:
+    """Reward functions and their weights in the total reward."""
+
+    functions: list[str] = field(
+        default_factory=lambda: ["accuracy", "format"],
+        metadata=_meta("reward functions summed into the total"),
+    )
+    weights: list[float] = field(
+        default_factory=list, metadata=_meta("weight of each function; [] = 1.0 each")
+    )
+
+
+@dataclass(kw_only=True)
+class OptimConfig:
+    """AdamW with linear warmup."""
+
+    lr: float = _field(1e-6, "peak learning rate", ge=0)
+    weight_decay: float = _field(0.01, "decoupled weight decay", ge=0)
+    beta1: float = _field(0.9, "Adam first-moment decay", ge=0, lt=1)
+    beta2: float = _field(0.999, "Adam second-moment decay", ge=0, lt=1)
+    eps: float = _field(1e-8, "Adam denominator epsilon", gt=0)
+    max_grad_norm: float = _field(5.0, "clip of the global gradient L2 norm", gt=0)
+    warmup_steps: int = _field(0, "steps of linear learning-rate warmup from 0", ge=0)
+
+
+@dataclass(kw_only=True)
+class EvalConfig:
+    """Held-out accuracy measured during training."""
+
+    every: int = _field(0, "steps between held-out evaluations; 0 = off", ge=0)
+    num_prompts: int = _field(64, "held-out prompts per evaluation", ge=1)
+    temperature: float = _field(0.0, "sampling temperature; 0 = greedy", ge=0)
+
+
+@dataclass(kw_only=True)
+class Config:
+    """The whole run configuration; see each section's fields."""
+
+    run: RunConfig = field(default_factory=RunConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    algo: AlgoConfig = field(default_factory=AlgoConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+
+
+class _YamlLoader(yaml.SafeLoader):
+    """SafeLoader that also reads ``1e-6`` (no dot) as a float, as YAML 1.2 does."""
+
+
+_YamlLoader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(r"^[-+]?[0-9][0-9_]*(?:\.[0-9_]*)?[eE][-+]?[0-9]+$"),
+    list("-+0123456789"),
+)
+
+
+def parse_yaml(text: str) -> Any:
+    """Parse YAML text with exponent floats (``1e-6``) read as floats. Raises ``ConfigError`` on bad YAML."""
+    try:
+        return yaml.load(text, Loader=_YamlLoader)
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"invalid YAML: {exc}") from exc
+
+
+def _section_types() -> dict[str, type]:
+    return {f.name: typing.get_type_hints(Config)[f.name] for f in dataclasses.fields(Config)}
+
+
+def _merge(into: dict, update: Any, path: str) -> None:
+    """Deep-merge ``update`` into ``into`` (both nested dicts of known keys); unknown keys raise."""
+    if not isinstance(update, dict):
+        raise ConfigError(f"{path or 'config'}: expected a mapping, got {update!r}")
+    for key, value in update.items():
+        sub = f"{path}.{key}" if path else str(key)
+        if key not in into:
+            known = ", ".join(into)
+            raise ConfigError(f"unknown config key {sub!r} (known here: {known})")
+        if isinstance(into[key], dict):
+            _merge(into[key], value, sub)
+        else:
+            into[key] = value
+
+
+def parse_override(item: str) -> dict:
+    """``"a.b=v"`` → ``{"a": {"b": parsed v}}``; ``v`` is a YAML scalar or list, empty means ``""``.
+
+    Raises ``ConfigError`` when ``=`` or the key is missing.
+    """
+    key, sep, raw = item.partition("=")
+    if not sep or not key.strip():
+        raise ConfigError(f"override {item!r} is not of the form section.field=value")
+    value: Any = "" if raw.strip() == "" else parse_yaml(raw)
+    out: dict = {}
+    node = out
+    parts = key.strip().split(".")
+    for part in parts[:-1]:
+        node = node.setdefault(part, {})
+    node[parts[-1]] = value
+    return out
+
+
+def _type_name(tp: Any) -> str:
+    return getattr(tp, "__name__", None) if typing.get_origin(tp) is None else str(tp)
+
+
+def _coerce(path: str, value: Any, tp: Any) -> Any:
+    """Check ``value`` against the annotation ``tp``; ints are accepted (and converted) for floats."""
+    origin = typing.get_origin(tp)
+    if origin is list:
+        (item_tp,) = typing.get_args(tp)
+        if not isinstance(value, (list, tuple)):
+            raise ConfigError(f"{path}: expected a list of {item_tp.__name__}, got {value!r}")
+        return [_coerce(f"{path}[{i}]", v, item_tp) for i, v in enumerate(value)]
+    ok = {
+        bool: isinstance(value, bool),
+        int: isinstance(value, int) and not isinstance(value, bool),
+        float: isinstance(value, (int, float)) and not isinstance(value, bool),
+        str: isinstance(value, str),
+    }[tp]
+    if not ok:
+        raise ConfigError(f"{path}: expected {_type_name(tp)}, got {value!r} ({type(value).__name__})")
+    return float(value) if tp is float else value
+
+
+def _check_limits(path: str, value: Any, meta: typing.Mapping) -> None:
+    """Range and choice limits declared in the field metadata."""
+    if meta["choices"] is not None and value not in meta["choices"]:
+        raise ConfigError(f"{path}={value!r} is not one of {', '.join(meta['choices'])}")
+    if meta["ge"] is not None and not value >= meta["ge"]:
+        raise ConfigError(f"{path}={value!r} must be >= {meta['ge']}")
+    if meta["gt"] is not None and not value > meta["gt"]:
+        raise ConfigError(f"{path}={value!r} must be > {meta['gt']}")
+    if meta["le"] is not None and not value <= meta["le"]:
+        raise ConfigError(f"{path}={value!r} must be <= {meta['le']}")
+    if meta["lt"] is not None and not value < meta["lt"]:
+        raise ConfigError(f"{path}={value!r} must be < {meta['lt']}")
+
+
+def _build_section(name: str, cls: type, values: dict) -> Any:
+    hints = typing.get_type_hints(cls)
+    kwargs = {}
+    for f in dataclasses.fields(cls):
+        path = f"{name}.{f.name}"
+        kwargs[f.name] = _coerce(path, values[f.name], hints[f.name])
+        _check_limits(path, kwargs[f.name], f.metadata)
+    return cls(**kwargs)
+
+
+def _conflict(a: str, va: Any, b: str, vb: Any, why: str) -> ConfigError:
+    return ConfigError(f"{a}={va!r} conflicts with {b}={vb!r}: {why}")
+
+
+_MIN_MAX = (
+    ("video_min_frames", "video_max_frames"),
+    ("video_min_pixels", "video_max_pixels"),
+    ("image_min_pixels", "image_max_pixels"),
+)
+
+
+def _check_batching(r: RolloutConfig, a: AlgoConfig) -> None:
+    """Mini-batches split the G groups evenly; micro-batches split each mini-batch evenly."""
+    if r.prompts_per_step % a.mini_batches:
+        why = "mini_batches must divide prompts_per_step"
+        raise _conflict(
+            "rollout.prompts_per_step", r.prompts_per_step, "algo.mini_batches", a.mini_batches, why
+        )
+    groups = r.prompts_per_step // a.mini_batches
+    if a.micro_batch_groups and groups % a.micro_batch_groups:
+        why = f"micro_batch_groups must divide the {groups} groups of each mini-batch (algo.mini_batches={a.mini_batches})"
+        raise _conflict(
+            "algo.micro_batch_groups",
+            a.micro_batch_groups,
+            "rollout.prompts_per_step",
+            r.prompts_per_step,
+            why,
+        )
+
+
+def _check_rewards(w: RewardConfig) -> None:
+    if not w.functions:
+        raise ConfigError("reward.functions must name at least one reward function")
+    if len(set(w.functions)) != len(w.functions):
+        raise ConfigError(f"reward.functions={w.functions!r} names a function twice")
+    if w.weights and len(w.weights) != len(w.functions):
+        raise _conflict(
+            "reward.weights", w.weights, "reward.functions", w.functions, "need one weight per function"
+        )
+
+
+def _check_conflicts(cfg: Config) -> None:
+    """Cross-field rules; each error names both fields and values."""
+    for lo, hi in _MIN_MAX:
+        low, high = getattr(cfg.data, lo), getattr(cfg.data, hi)
+        if low > high:
+            raise _conflict(f"data.{lo}", low, f"data.{hi}", high, "min exceeds max")
+    _check_batching(cfg.rollout, cfg.algo)
+    _check_rewards(cfg.reward)
+
+
+def config_from_dict(data: dict) -> Config:
+    """Validate a complete nested dict (every section and field present) into a ``Config``.
+
+    Raises ``ConfigError`` on a wrong type, an out-of-range value or a conflict.
+    """
+    sections = {name: _build_section(name, cls, data[name]) for name, cls in _section_types().items()}
+    cfg = Config(**sections)
+    _check_conflicts(cfg)
+    return cfg
+
+
+def config_to_dict(cfg: Config) -> dict:
+    """The resolved config as a nested dict of plain YAML values (lists for list fields)."""
+    return dataclasses.asdict(cfg)
+
+
+def load_config(
+    path: str | Path | None, overrides: typing.Sequence[str] = (), base: dict | None = None
+) -> Config:
+    """Load and validate a run config.
+
+    Merge order, later wins: dataclass defaults, ``base`` (nested dict), the YAML file at ``path``
+    (skipped when None; an empty file is an empty mapping), then ``overrides`` (``"section.field=value"``).
+
+    Raises ``ConfigError`` for a missing file, invalid YAML, unknown keys, wrong types, out-of-range values
+    and conflicting fields; the message names the field path.
+    """
+    merged = config_to_dict(Config())
+    if base is not None:
+        _merge(merged, base, "")
+    if path is not None:
+        path = Path(path)
+        if not path.is_file():
+            raise ConfigError(f"config file {str(path)!r} does not exist")
+        _merge(merged, parse_yaml(path.read_text()) or {}, "")
+    for item in overrides:
+        _merge(merged, parse_override(item), "")
+    return config_from_dict(merged)
+
+
+def save_config(cfg: Config, path: str | Path) -> None:
+    """Write the resolved config as YAML (sections and fields in declaration order)."""
+    Path(path).write_text(yaml.safe_dump(config_to_dict(cfg), sort_keys=False))
+
+
+def validate_for_training(cfg: Config) -> None:
+    """Check the fields a training run needs beyond load-time validation.
+
+    Raises ``ConfigError`` when ``model.path`` is empty or not a folder, ``data.train_path`` is empty or
+    not a file, ``data.val_path``/``data.data_root`` are set but missing, or ``eval.every > 0`` without
+    ``data.val_path``.
+    """
+    required = (
+        ("model.path", cfg.model.path, Path.is_dir),
+        ("data.train_path", cfg.data.train_path, Path.is_file),
+    )
+    for name, value, exists in required:
+        if not value:
+            raise ConfigError(f"{name} is required (got '')")
+        if not exists(Path(value)):
+            raise ConfigError(f"{name}={value!r} does not exist")
+    optional = (
+        ("data.val_path", cfg.data.val_path, Path.is_file),
+        ("data.data_root", cfg.data.data_root, Path.is_dir),
+    )
+    for name, value, exists in optional:
+        if value and not exists(Path(value)):
+            raise ConfigError(f"{name}={value!r} does not exist")
+    if cfg.eval.every > 0 and not cfg.data.val_path:
+        raise _conflict(
+            "eval.every", cfg.eval.every, "data.val_path", "", "evaluation needs held-out records"
+        )
+
+
+def data_root(cfg: DataConfig) -> Path:
+    """Folder that record media paths are relative to: ``data_root``, else the folder of ``train_path``."""
+    return Path(cfg.data_root) if cfg.data_root else Path(cfg.train_path).parent
+
+
+def reward_weights(cfg: RewardConfig) -> list[float]:
+    """One weight per reward function, in ``functions`` order (1.0 each when ``weights`` is empty)."""
+    return list(cfg.weights) if cfg.weights else [1.0] * len(cfg.functions)
+
+
+def resolve_device(cfg: RunConfig) -> str:
+    """``"cuda"`` or ``"cpu"``; ``auto`` picks cuda when available. Raises ``ConfigError`` for cuda without CUDA."""
+    import torch
+
+    if cfg.device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if cfg.device == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("run.device='cuda' but CUDA is not available")
+    return cfg.device
+
+
+def resolve_dtype(cfg: RunConfig, device: str) -> Any:
+    """``torch.dtype`` of the model: ``auto`` = bfloat16 on cuda, float32 on cpu; else the named dtype."""
+    import torch
+
+    name = cfg.dtype if cfg.dtype != "auto" else ("bfloat16" if device == "cuda" else "float32")
+    return getattr(torch, name)
+
+
+def field_docs() -> list[tuple[str, str, Any, str]]:
+    """``(path, type name, default, help with limits)`` for every field, in declaration order."""
+    rows = []
+    for name, cls in _section_types().items():
+        hints = typing.get_type_hints(cls)
+        defaults = dataclasses.asdict(cls())
+        for f in dataclasses.fields(cls):
+            m = f.metadata
+            limits = [
+                f"{op} {m[key]}"
+                for key, op in (("ge", ">="), ("gt", ">"), ("le", "<="), ("lt", "<"))
+                if m[key] is not None
+            ]
+            if m["choices"]:
+                limits.append("one of " + "|".join(m["choices"]))
+            text = m["help"] + (f" [{'; '.join(limits)}]" if limits else "")
+            rows.append((f"{name}.{f.name}", _type_name(hints[f.name]), defaults[f.name], text))
+    return rows
+
+
+def format_config_help() -> str:
+    """Every config field with its type, default and description, one per line."""
+    rows = field_docs()
+    width = max(len(p) for p, *_ in rows)
+    return "\n".join(f"{p:<{width}}  {t} = {d!r}  {h}" for p, t, d, h in rows)

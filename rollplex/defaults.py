@@ -1,0 +1,94 @@
+"""The embedded default run: a tiny Qwen2.5-VL trained from scratch on synthetic videos.
+
+``rollplex train`` with no config uses it. On first use it writes, once, into the cache folder
+(``$ROLLPLEX_CACHE`` or ``~/.cache/rollplex``):
+
+    default-v1/model/   ``rollplex model init --preset tiny``
+    default-v1/data/    ``rollplex data synth`` (colour questions, canonical option order)
+
+The task: four-way multiple choice "what colour is the largest shape?" on 8-frame 56×56 clips. The
+model starts from random weights, so the prompt uses the ``answer_only`` template (the completion is
+the option letter) and the matching rewards; chance accuracy is 0.25.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+CACHE_VERSION = "default-v2"
+WIDTH = HEIGHT = 56
+FRAMES, FPS = 8, 4.0
+NUM_SAMPLES, SEED = 1200, 0
+
+
+def cache_root() -> Path:
+    """``$ROLLPLEX_CACHE`` if set, else ``~/.cache/rollplex``."""
+    return Path(os.environ.get("ROLLPLEX_CACHE", Path.home() / ".cache" / "rollplex"))
+
+
+def _build_once(target: Path, build) -> Path:
+    """Run ``build(tmp)`` into a temporary sibling and rename it to ``target`` (atomic); skip if present."""
+    if target.exists():
+        return target
+    tmp = target.with_name(target.name + f".tmp-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.parent.mkdir(parents=True, exist_ok=True)
+    build(tmp)
+    try:
+        os.rename(tmp, target)
+    except OSError:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if not target.exists():
+            raise
+    return target
+
+
+def prepare_default(root: Path | None = None) -> tuple[Path, Path]:
+    """Create (once) the tiny checkpoint and the synthetic dataset; returns (model folder, data folder)."""
+    from rollplex.data.synth import generate_dataset
+    from rollplex.models.presets import init_checkpoint
+
+    base = (root or cache_root()) / CACHE_VERSION
+    model = _build_once(base / "model", lambda out: init_checkpoint("tiny", out, seed=SEED))
+    data = _build_once(
+        base / "data",
+        lambda out: generate_dataset(
+            out,
+            NUM_SAMPLES,
+            SEED,
+            width=WIDTH,
+            height=HEIGHT,
+            num_frames=FRAMES,
+            fps=FPS,
+            val_fraction=0.1,
+            families=("color",),
+            progress=True,
+        ),
+    )
+    return model, data
+
+
+def default_run_config(root: Path | None = None) -> dict:
+    """The nested config dict of the default run (prepares its cache first)."""
+    model, data = prepare_default(root)
+    pixels = WIDTH * HEIGHT
+    return {
+        "run": {"out_dir": "runs/default", "steps": 120, "save_every": 40, "seed": 0},
+        "model": {"path": str(model)},
+        "data": {
+            "train_path": str(data / "train.json"),
+            "val_path": str(data / "val.json"),
+            "template": "answer_only",
+            "max_prompt_tokens": 512,
+            "video_min_pixels": pixels,
+            "video_max_pixels": pixels,
+            "video_max_frames": FRAMES,
+        },
+        "rollout": {"group_size": 8, "prompts_per_step": 16, "max_response_tokens": 3, "temperature": 1.0},
+        "algo": {"kl_coef": 0.001, "clip_high": 0.28},
+        "reward": {"functions": ["answer_accuracy", "answer_format"]},
+        "optim": {"lr": 2e-3, "weight_decay": 0.0, "max_grad_norm": 1.0},
+        "eval": {"every": 20, "num_prompts": 120},
+    }

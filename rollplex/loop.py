@@ -1,0 +1,365 @@
+"""``rollplex train``: set up the roles and data, run iterations, log, evaluate, checkpoint, resume.
+
+The iteration itself lives in schedule/ (named phases); this module owns everything around it.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import random
+import time
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from rollplex.checkpoint import (
+    latest_checkpoint,
+    load_trainer_state,
+    rng_state,
+    save_checkpoint,
+    set_rng_state,
+)
+from rollplex.config import (
+    Config,
+    data_root,
+    resolve_device,
+    resolve_dtype,
+    save_config,
+    validate_for_training,
+)
+from rollplex.data.encode import PromptBuilder
+from rollplex.data.loader import PromptSource
+from rollplex.data.records import load_records
+from rollplex.data.vision import ImageSampling, VideoSampling
+from rollplex.models.forward import prepare_model
+from rollplex.models.positions import VisionTokens
+from rollplex.observe.metrics import MetricsWriter, PhaseTimer, ProgressBar
+from rollplex.optim import MasterWeightAdamW, learning_rate
+from rollplex.phases import ActorStats, Roles, rollout_phase
+from rollplex.rollout.engine import SamplingParams
+from rollplex.schedule.serial import serial_step
+from rollplex.types import ScoredBatch
+
+log = logging.getLogger("rollplex")
+
+
+def load_model(path: str, dtype: torch.dtype, device: torch.device, trainable: bool):
+    """A Qwen2.5-VL checkpoint folder as a model routed through rollplex attention."""
+    from transformers import Qwen2_5_VLForConditionalGeneration
+
+    model = Qwen2_5_VLForConditionalGeneration.from_pretrained(path, dtype=dtype).to(device)
+    prepare_model(model)
+    model.train(False)
+    model.requires_grad_(trainable)
+    return model
+
+
+def special_ids(model, tokenizer, path: str) -> tuple[torch.Tensor, tuple[int, ...], int]:
+    """(banned vision ids int64 [k], EOS ids of the generation config, pad id)."""
+    from transformers import GenerationConfig
+
+    cfg = model.config
+    banned = {cfg.vision_start_token_id, cfg.vision_end_token_id, cfg.image_token_id, cfg.video_token_id}
+    pad_vision = tokenizer.convert_tokens_to_ids("<|vision_pad|>")
+    if isinstance(pad_vision, int) and pad_vision != tokenizer.unk_token_id:
+        banned.add(pad_vision)
+    try:
+        eos = GenerationConfig.from_pretrained(path).eos_token_id
+    except OSError:
+        eos = tokenizer.eos_token_id
+    eos_ids = tuple(eos) if isinstance(eos, (list, tuple)) else (int(eos),)
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos_ids[0]
+    return torch.tensor(sorted(int(i) for i in banned)), eos_ids, int(pad)
+
+
+def build_source(cfg: Config, path: str, processor, model, shuffle: bool) -> tuple[PromptSource, int]:
+    """Records of ``path`` behind a PromptSource; returns it and the count of malformed records."""
+    records, malformed = load_records(path)
+    data = cfg.data
+    root = data_root(data)
+    vision = model.config.vision_config
+    builder = PromptBuilder(
+        processor=processor,
+        template=data.template,
+        data_root=root,
+        max_prompt_tokens=data.max_prompt_tokens,
+        video=VideoSampling(
+            fps=data.video_fps,
+            min_frames=data.video_min_frames,
+            max_frames=data.video_max_frames,
+            min_pixels=data.video_min_pixels,
+            max_pixels=data.video_max_pixels,
+            total_pixels=data.video_total_pixels,
+        ),
+        image=ImageSampling(min_pixels=data.image_min_pixels, max_pixels=data.image_max_pixels),
+        tokens=VisionTokens.from_config(model.config),
+        temporal_patch_size=int(vision.temporal_patch_size),
+    )
+    source = PromptSource(records, builder, cfg.rollout.prompts_per_step, seed=cfg.run.seed, shuffle=shuffle)
+    return source, malformed
+
+
+@dataclass
+class Run:
+    """Everything a training run holds."""
+
+    cfg: Config
+    run_dir: Path
+    roles: Roles
+    processor: object
+    train: PromptSource
+    val: PromptSource | None
+    malformed: int
+    device: torch.device
+
+
+def build_run(cfg: Config) -> Run:
+    """Models, optimizer, sampling and data of a run (from ``cfg``; no checkpoint applied)."""
+    from transformers import AutoProcessor
+
+    validate_for_training(cfg)
+    device = torch.device(resolve_device(cfg.run))
+    dtype = resolve_dtype(cfg.run, device.type)
+    seed_everything(cfg.run.seed)
+    if cfg.run.deterministic:
+        torch.use_deterministic_algorithms(True)
+    processor = AutoProcessor.from_pretrained(cfg.model.path)
+    actor = load_model(cfg.model.path, dtype, device, trainable=True)
+    if cfg.model.freeze_vision:
+        actor.model.visual.requires_grad_(False)
+    if cfg.model.gradient_checkpointing:
+        actor.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    reference = load_model(cfg.model.path, dtype, device, trainable=False) if cfg.algo.kl_coef > 0 else None
+    banned, eos_ids, pad = special_ids(actor, processor.tokenizer, cfg.model.path)
+    r = cfg.rollout
+    sampling = SamplingParams(r.temperature, r.top_p, r.top_k, r.max_response_tokens, eos_ids, pad, banned)
+    o = cfg.optim
+    params = [p for p in actor.parameters() if p.requires_grad]
+    optimizer = MasterWeightAdamW(
+        params, lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, weight_decay=o.weight_decay
+    )
+    generator = torch.Generator(device=device).manual_seed(cfg.run.seed)
+    roles = Roles(actor, reference, optimizer, processor.tokenizer, sampling, generator, cfg)
+    train_source, malformed = build_source(cfg, cfg.data.train_path, processor, actor, cfg.data.shuffle)
+    val_source = None
+    if cfg.data.val_path:
+        val_source, _ = build_source(cfg, cfg.data.val_path, processor, actor, shuffle=False)
+    return Run(cfg, Path(cfg.run.out_dir), roles, processor, train_source, val_source, malformed, device)
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
+def evaluate(run: Run) -> tuple[float, float | None]:
+    """Greedy held-out accuracy (mean accuracy reward) and the chance accuracy of the val set.
+
+    Chance is the mean of 1/len(options) when every val record is multiple choice, else None.
+    """
+    from rollplex.algo.rewards import compute_rewards
+
+    prompts = run.val.all_prompts(run.cfg.eval.num_prompts)
+    greedy = replace(run.roles.sampling, temperature=run.cfg.eval.temperature)
+    correct = []
+    for start in range(0, len(prompts), run.cfg.rollout.prompts_per_step):
+        chunk = prompts[start : start + run.cfg.rollout.prompts_per_step]
+        rollout = rollout_phase(run.roles, chunk, 1, greedy)
+        rewards = compute_rewards(
+            rollout.texts, [p.record for p in chunk], list(run.cfg.reward.functions), None
+        )
+        correct.append(rewards.accuracy)
+    accuracy = float(torch.cat(correct).float().mean()) if correct else float("nan")
+    records = [p.record for p in prompts]
+    chance = None
+    if records and all(r.problem_type == "multiple choice" for r in records):
+        chance = float(np.mean([1.0 / len(r.options) for r in records]))
+    return accuracy, chance
+
+
+def step_metrics(scored: ScoredBatch, stats: list[ActorStats], norms: list[float]) -> dict[str, float]:
+    """Scalars of one step (metrics.jsonl keys)."""
+    rollout, rewards = scored.rollout, scored.rewards
+    tokens = max(1, sum(s.tokens for s in stats))
+    out = {
+        "reward_mean": float(rewards.total.mean()),
+        "accuracy": float(rewards.accuracy.mean()),
+        "format_rate": float(rewards.format.mean()),
+        "kl": sum(s.kl for s in stats) / tokens,
+        "loss": sum(s.loss for s in stats) / len(stats),
+        "clip_fraction": sum(s.clip_fraction for s in stats) / tokens,
+        "entropy": sum(s.entropy for s in stats) / tokens,
+        "response_length": float(rollout.response_lens.float().mean()),
+        "truncated_fraction": float(rollout.truncated.float().mean()),
+        "grad_norm": float(np.mean(norms)),
+        "zero_variance_groups": scored.zero_variance_groups,
+        "reward_errors": rewards.errors,
+        "logprob_diff_max": max(s.logprob_diff_max for s in stats),
+        "logprob_diff_mean": sum(s.logprob_diff_sum for s in stats) / tokens,
+    }
+    for name, values in rewards.per_function.items():
+        out[f"reward/{name}"] = float(values.float().mean())
+    return out
+
+
+def trainer_state(run: Run, step: int) -> dict:
+    return {
+        "step": step,
+        "optimizer": run.roles.optimizer.state_dict(),
+        "rng": rng_state(),
+        "generator": run.roles.generator.get_state(),
+        "train_cursor": run.train.state_dict(),
+    }
+
+
+def restore(run: Run, ckpt: Path) -> int:
+    """Load actor weights and trainer state from ``ckpt``; returns the step to continue from."""
+    from safetensors.torch import load_file
+
+    state = load_trainer_state(ckpt)
+    weights = {}
+    for file in sorted((ckpt / "hf").glob("*.safetensors")):
+        weights.update(load_file(file))
+    missing, unexpected = _load_hf_weights(run.roles.actor, weights)
+    if unexpected or missing:
+        raise ValueError(
+            f"checkpoint {ckpt} does not match the model: missing {missing[:3]}, unexpected {unexpected[:3]}"
+        )
+    run.roles.optimizer.load_state_dict(state["optimizer"])
+    set_rng_state(state["rng"])
+    run.roles.generator.set_state(state["generator"])
+    run.train.load_state_dict(state["train_cursor"])
+    return int(state["step"])
+
+
+def _load_hf_weights(model, weights: dict) -> tuple[list[str], list[str]]:
+    """Copy saved tensors into ``model`` by name, accepting the on-disk (legacy) and in-memory key names."""
+    params = dict(model.state_dict())
+    missing, unexpected = [], []
+    renamed = {_in_memory_name(k, params): v for k, v in weights.items()}
+    with torch.no_grad():
+        for name, value in renamed.items():
+            if name not in params:
+                unexpected.append(name)
+                continue
+            params[name].copy_(value)
+    for name in params:
+        if name not in renamed and not (name == "lm_head.weight" and model.config.tie_word_embeddings):
+            missing.append(name)
+    return missing, unexpected
+
+
+def _in_memory_name(key: str, params: dict) -> str:
+    if key in params:
+        return key
+    if key.startswith("visual."):
+        return "model." + key
+    if key.startswith("model.") and not key.startswith("model.language_model."):
+        return "model.language_model." + key[len("model.") :]
+    return key
+
+
+def train(cfg: Config, resume: bool = False) -> Path:
+    """Run GRPO training as configured; returns the run folder.
+
+    Raises:
+        ConfigError / DatasetError (ValueError): bad config, unreadable dataset or nothing usable left.
+    """
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    _quiet_library_progress()
+    started = time.perf_counter()
+    run = build_run(cfg)
+    run.run_dir.mkdir(parents=True, exist_ok=True)
+    save_config(cfg, run.run_dir / "config.yaml")
+    step = 0
+    if resume:
+        ckpt = latest_checkpoint(run.run_dir)
+        if ckpt is None:
+            raise ValueError(f"--resume: no checkpoint in {run.run_dir / 'checkpoints'}")
+        step = restore(run, ckpt)
+        log.info("resumed from %s at step %d", ckpt, step)
+    metrics = MetricsWriter(run.run_dir, resume_step=step if resume else None)
+    first_eval = {} if resume else _maybe_eval(run, step, force=True)
+    if first_eval:
+        metrics.write({"step": step, **first_eval})
+    timer = PhaseTimer(sync=torch.cuda.synchronize if run.device.type == "cuda" else None)
+    bar = ProgressBar(total=cfg.run.steps, initial=step, enabled=cfg.run.progress)
+    while step < cfg.run.steps:
+        record = _train_step(run, step, timer)
+        step += 1
+        evaluation = _maybe_eval(run, step, force=step == cfg.run.steps)
+        record.update(evaluation)
+        metrics.write(record)
+        bar.update(record)
+        if _should_save(cfg, step):
+            save_checkpoint(
+                run.run_dir,
+                step,
+                model=run.roles.actor,
+                processor=run.processor,
+                trainer_state=trainer_state(run, step),
+                keep=cfg.run.keep_checkpoints,
+            )
+    bar.close()
+    _summary(run, first_eval, record if cfg.run.steps > 0 else {}, time.perf_counter() - started)
+    return run.run_dir
+
+
+def _quiet_library_progress() -> None:
+    """Keep transformers' own per-load/per-save progress bars out of the run's console."""
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+
+
+def _train_step(run: Run, step: int, timer) -> dict:
+    cfg = run.cfg
+    run.roles.optimizer.set_lr(learning_rate(step, cfg.optim.lr, cfg.optim.warmup_steps))
+    if run.device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(run.device)
+    start = time.perf_counter()
+    with timer.phase("data"):
+        prompts = run.train.next_batch()
+    scored, stats, norms = serial_step(run.roles, prompts, timer)
+    record = {"step": step + 1, **step_metrics(scored, stats, norms)}
+    record.update(timer.pop())
+    record["time/step"] = time.perf_counter() - start
+    record["skipped_samples"] = len(run.train.skipped) + run.malformed
+    record["lr"] = run.roles.optimizer.inner.param_groups[0]["lr"]
+    if run.device.type == "cuda":
+        record["peak_memory_gib"] = torch.cuda.max_memory_allocated(run.device) / 2**30
+    return record
+
+
+def _maybe_eval(run: Run, step: int, force: bool) -> dict:
+    every = run.cfg.eval.every
+    if run.val is None or (not force and (every <= 0 or step % every)):
+        return {}
+    accuracy, chance = evaluate(run)
+    out = {"val_accuracy": accuracy}
+    if chance is not None:
+        out["chance_accuracy"] = chance
+    return out
+
+
+def _should_save(cfg: Config, step: int) -> bool:
+    every = cfg.run.save_every
+    return step == cfg.run.steps or (every > 0 and step % every == 0)
+
+
+def _summary(run: Run, first: dict, last: dict, seconds: float) -> None:
+    parts = [f"run folder {run.run_dir}", f"wall time {seconds / 60:.1f} min"]
+    if "val_accuracy" in first and "val_accuracy" in last:
+        parts.append(f"held-out accuracy {first['val_accuracy']:.3f} -> {last['val_accuracy']:.3f}")
+    if "chance_accuracy" in last:
+        parts.append(f"chance {last['chance_accuracy']:.3f}")
+    skipped = len(run.train.skipped) + run.malformed
+    if skipped:
+        parts.append(f"{skipped} samples skipped")
+    log.info("done: %s", "; ".join(parts))
+    if not math.isfinite(last.get("loss", 0.0)):
+        log.warning("the last loss was not finite")

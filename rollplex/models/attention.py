@@ -1,0 +1,211 @@
+"""The attention function rollplex registers with transformers: prefix recording and shared-prefix suffixes.
+
+Legend: B rows (= G·N), G groups, N group size, H query heads, Hkv key/value heads, Q query length,
+P_max padded prefix length, S suffix key length, D head dim.
+
+One function serves three modes, chosen by the plan object passed down the model's forward as the
+keyword ``rollplex_plan`` (transformers forwards unknown keywords to the attention interface):
+
+    PrefixPlan   prompt prefill of one group: causal attention; the layer's keys/values (after RoPE)
+                 are recorded as boundary KV, attached to autograd when the caller is.
+    SuffixPlan   N responses per group attend to their group's boundary KV (read once, never copied
+                 N times) and causally to their own tokens. Used for reference/actor scoring.
+    DecodePlan   one new token per row; its key/value is written into a static per-row cache and the
+                 query attends to the shared boundary KV plus the cache.
+
+The suffix math is exact: scores against the prefix and against the suffix are concatenated before a
+single softmax, which is the same arithmetic a full-sequence causal forward performs. This dense path
+runs on any device; it is the reference the faster paths are tested against.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+ATTENTION_NAME = "rollplex"
+
+
+@dataclass
+class PrefixPlan:
+    """Records boundary KV of a single-prompt prefill: ``keys[l]``, ``values[l]`` are [1, Hkv, P, D]."""
+
+    keys: dict[int, torch.Tensor] = field(default_factory=dict)
+    values: dict[int, torch.Tensor] = field(default_factory=dict)
+
+
+@dataclass
+class SuffixPlan:
+    """Shared-prefix scoring of responses.
+
+    Fields:
+        prefix_keys, prefix_values: per layer [G, Hkv, P_max, D].
+        prefix_lens: int64 [G]; keys at index >= prefix_lens[g] are padding.
+        group_size: N; query row b belongs to group b // N.
+        block_mask: a flex_attention BlockMask for the fused path (see ``suffix_block_mask``), or None
+            for the dense path.
+    """
+
+    prefix_keys: list[torch.Tensor]
+    prefix_values: list[torch.Tensor]
+    prefix_lens: torch.Tensor
+    group_size: int
+    block_mask: object | None = None
+
+
+@dataclass
+class DecodePlan(SuffixPlan):
+    """Shared-prefix decoding with a static cache of generated tokens.
+
+    Fields (besides SuffixPlan's):
+        cache_keys, cache_values: per layer [B, Hkv, R, D], written in place at index ``step``.
+        step: index of the token being decoded (0-based response position of the query).
+    """
+
+    cache_keys: list[torch.Tensor] = field(default_factory=list)
+    cache_values: list[torch.Tensor] = field(default_factory=list)
+    step: int = 0
+
+
+def rollplex_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    """Attention interface entry point (transformers ``AttentionInterface`` contract).
+
+    Args:
+        query: [B, H, Q, D] after RoPE; key, value: [B, Hkv, Q, D] of the new tokens.
+        attention_mask: ignored (always None here: masks are implied by the plan).
+        kwargs["rollplex_plan"]: PrefixPlan | SuffixPlan | DecodePlan.
+
+    Returns:
+        (output [B, Q, H, D], None).
+
+    Raises:
+        KeyError: no plan was passed (the model was called outside rollplex's forward functions).
+    """
+    plan = kwargs["rollplex_plan"]
+    layer = module.layer_idx
+    if isinstance(plan, PrefixPlan):
+        plan.keys[layer], plan.values[layer] = key, value
+        out = F.scaled_dot_product_attention(
+            query, key, value, is_causal=True, scale=scaling, enable_gqa=True
+        )
+        return out.transpose(1, 2), None
+    if isinstance(plan, DecodePlan):
+        plan.cache_keys[layer][:, :, plan.step] = key[:, :, 0]
+        plan.cache_values[layer][:, :, plan.step] = value[:, :, 0]
+        own_k = plan.cache_keys[layer][:, :, : plan.step + 1]
+        own_v = plan.cache_values[layer][:, :, : plan.step + 1]
+        out = shared_prefix_attention(query, own_k, own_v, plan, layer, scaling, causal_offset=plan.step)
+        return out, None
+    if plan.block_mask is not None:
+        return flex_shared_prefix_attention(query, key, value, plan, layer, scaling), None
+    return shared_prefix_attention(query, key, value, plan, layer, scaling, causal_offset=0), None
+
+
+def shared_prefix_attention(
+    query: torch.Tensor,
+    own_keys: torch.Tensor,
+    own_values: torch.Tensor,
+    plan: SuffixPlan,
+    layer: int,
+    scaling: float,
+    causal_offset: int,
+) -> torch.Tensor:
+    """Dense exact attention of suffix queries over [group prefix ; own tokens].
+
+    Args:
+        query: [B, H, Q, D]; own_keys/own_values: [B, Hkv, S, D] with query i at own position
+            ``causal_offset + i`` (it sees own keys 0..causal_offset+i).
+        plan: carries the group's boundary KV [G, Hkv, P_max, D] and prefix lengths.
+
+    Returns:
+        [B, Q, H, D].
+    """
+    n = plan.group_size
+    b, h, q_len, d = query.shape
+    g, hkv, p_max, _ = plan.prefix_keys[layer].shape
+    rep = h // hkv
+    q6 = query.reshape(g, n, hkv, rep, q_len, d)
+    prefix_k, prefix_v = plan.prefix_keys[layer], plan.prefix_values[layer]
+    s_prefix = torch.einsum("gnkrqd,gkpd->gnkrqp", q6, prefix_k) * scaling
+    pad = torch.arange(p_max, device=query.device)[None, :] >= plan.prefix_lens[:, None]
+    s_prefix = s_prefix.masked_fill(pad[:, None, None, None, None, :], float("-inf"))
+    own_k6 = own_keys.reshape(g, n, hkv, 1, -1, d)
+    s_own = torch.einsum("gnkrqd,gnkzsd->gnkrqs", q6, own_k6) * scaling
+    s_len = own_keys.shape[2]
+    future = torch.arange(s_len, device=query.device)[None, :] > (
+        torch.arange(q_len, device=query.device)[:, None] + causal_offset
+    )
+    s_own = s_own.masked_fill(future, float("-inf"))
+    softmax_dtype = torch.promote_types(query.dtype, torch.float32)
+    probs = torch.softmax(torch.cat([s_prefix, s_own], dim=-1), dim=-1, dtype=softmax_dtype).to(query.dtype)
+    p_prefix, p_own = probs.split([p_max, s_len], dim=-1)
+    out = torch.einsum("gnkrqp,gkpd->gnkrqd", p_prefix, prefix_v)
+    out = out + torch.einsum("gnkrqs,gnkzsd->gnkrqd", p_own, own_values.reshape(g, n, hkv, 1, -1, d))
+    return out.reshape(b, h, q_len, d).transpose(1, 2)
+
+
+_compiled_flex = None
+
+
+def _flex():
+    global _compiled_flex
+    if _compiled_flex is None:
+        from torch.nn.attention.flex_attention import flex_attention
+
+        _compiled_flex = torch.compile(flex_attention, dynamic=True)
+    return _compiled_flex
+
+
+def suffix_block_mask(prefix_lens: torch.Tensor, p_max: int, group_size: int, length: int):
+    """flex_attention BlockMask of G groups, each query block = N suffixes of ``length`` tokens.
+
+    Keys of group g are [boundary KV (P_max, valid < prefix_lens[g]) ; the N suffixes' own keys]; query
+    (n, r) sees every valid prefix key and the keys (n, 0..r) of its own suffix.
+    """
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    lens = prefix_lens
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        in_prefix = kv_idx < p_max
+        j = kv_idx - p_max
+        own = (j // length == q_idx // length) & (j % length <= q_idx % length)
+        return (in_prefix & (kv_idx < lens[b])) | (~in_prefix & own)
+
+    n_r = group_size * length
+    return create_block_mask(mask_mod, lens.shape[0], None, n_r, p_max + n_r, device=lens.device)
+
+
+def flex_shared_prefix_attention(query, own_keys, own_values, plan: SuffixPlan, layer: int, scaling):
+    """Fused suffix attention with flex_attention: one call per layer for all groups.
+
+    The N suffixes of a group are laid out as one query sequence of N·R tokens against
+    [boundary KV ; N·R own keys]; the block mask keeps suffixes apart. The boundary KV is read once
+    per group (concatenated once, not N times), and gradients flow into it.
+
+    Args:
+        query: [B, H, R, D]; own_keys/own_values: [B, Hkv, R, D].
+
+    Returns:
+        [B, R, H, D].
+    """
+    n = plan.group_size
+    b, h, r, d = query.shape
+    g, hkv = b // n, own_keys.shape[1]
+
+    def fold(x, heads):
+        return x.reshape(g, n, heads, r, d).permute(0, 2, 1, 3, 4).reshape(g, heads, n * r, d)
+
+    keys = torch.cat([plan.prefix_keys[layer], fold(own_keys, hkv)], dim=2)
+    values = torch.cat([plan.prefix_values[layer], fold(own_values, hkv)], dim=2)
+    out = _flex()(fold(query, h), keys, values, block_mask=plan.block_mask, scale=scaling, enable_gqa=True)
+    return out.reshape(g, h, n, r, d).permute(0, 2, 3, 1, 4).reshape(b, r, h, d)
+
+
+def register() -> None:
+    """Register :func:`rollplex_attention` under ``ATTENTION_NAME`` (idempotent)."""
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(ATTENTION_NAME, rollplex_attention)

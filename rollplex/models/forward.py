@@ -1,0 +1,241 @@
+"""Prefix and suffix forwards of a Qwen2.5-VL model: the building block of every role.
+
+Legend: G groups, N group size, B = G·N rows, P prompt length, R response length, V vocabulary,
+Hd hidden size. Paper §2.3: each model invocation is split at the first response position into a
+*prefix* (vision encoder + prompt prefill, once per group, leaving boundary KV and the log-probs that
+score the first response token) and a *suffix* (the N responses, scored against the boundary KV).
+
+The model definition is transformers' ``Qwen2_5_VLForConditionalGeneration``; rollplex drives its
+vision tower, token embedding, decoder stack and LM head directly, always with explicit 3D positions
+(models.positions) and the rollplex attention function (models.attention), so no cache object or
+cached rope offset of the library is involved.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+
+import torch
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
+from rollplex.models.attention import (
+    ATTENTION_NAME,
+    DecodePlan,
+    PrefixPlan,
+    SuffixPlan,
+    register,
+    suffix_block_mask,
+)
+from rollplex.models.positions import response_positions
+from rollplex.rollout.sampler import entropy as entropy_of
+from rollplex.rollout.sampler import token_logprobs
+from rollplex.types import PrefixState, Prompt
+
+
+def prepare_model(model) -> None:
+    """Route the language model's attention through rollplex (the vision tower keeps its own backend)."""
+    register()
+    model.config.text_config._attn_implementation = ATTENTION_NAME
+    model.model.language_model.config._attn_implementation = ATTENTION_NAME
+
+
+def _vision_output(model, pixels: torch.Tensor, grid_thw: torch.Tensor) -> torch.Tensor:
+    """Merged vision embeddings [tokens, Hd] of all images (or all videos) of one prompt.
+
+    A fully frozen tower runs without autograd, so it keeps no activations (field case B17).
+    """
+    visual = model.model.visual
+    trainable = torch.is_grad_enabled() and any(p.requires_grad for p in visual.parameters())
+    with contextlib.nullcontext() if trainable else torch.no_grad():
+        out = visual(pixels.to(visual.dtype), grid_thw=grid_thw)
+    return out.pooler_output if hasattr(out, "pooler_output") else out
+
+
+def prompt_embeddings(model, prompt: Prompt) -> torch.Tensor:
+    """Input embeddings [1, P, Hd] of a prompt, vision features placed at its placeholder tokens.
+
+    Only placeholder ids inside the prompt receive vision features; response tokens are always embedded
+    as text (field case B05).
+
+    Raises:
+        ValueError: the number of placeholders differs from the number of vision features (B06).
+    """
+    lm = model.model.language_model
+    ids = prompt.input_ids.to(lm.embed_tokens.weight.device)
+    embeds = lm.embed_tokens(ids)
+    config = model.config
+    for pixels, grid, token in (
+        (prompt.pixel_values, prompt.image_grid_thw, config.image_token_id),
+        (prompt.pixel_values_videos, prompt.video_grid_thw, config.video_token_id),
+    ):
+        if pixels is None:
+            continue
+        feats = _vision_output(model, pixels.to(embeds.device), grid.to(embeds.device)).to(embeds.dtype)
+        slots = ids == token
+        if int(slots.sum()) != feats.shape[0]:
+            raise ValueError(
+                f"prompt has {int(slots.sum())} placeholders of id {token} but {feats.shape[0]} features"
+            )
+        index = slots.nonzero().squeeze(1)
+        embeds = embeds.index_put((index,), feats)
+    return embeds.unsqueeze(0)
+
+
+def _decoder(model, embeds: torch.Tensor, positions: torch.Tensor, plan) -> torch.Tensor:
+    """Decoder stack + final norm: hidden states [batch, len, Hd]."""
+    out = model.model.language_model(
+        inputs_embeds=embeds,
+        position_ids=positions,
+        attention_mask={"full_attention": None},
+        use_cache=False,
+        rollplex_plan=plan,
+    )
+    return out.last_hidden_state
+
+
+def _pad_stack(tensors: list[torch.Tensor], length: int) -> torch.Tensor:
+    """Stack [1, Hkv, P_g, D] tensors into [G, Hkv, length, D], zero-padded along P."""
+    return torch.cat([F.pad(t, (0, 0, 0, length - t.shape[2])) for t in tensors], dim=0)
+
+
+def prefix_forward(
+    model, prompts: list[Prompt], *, temperature: float, banned_ids: torch.Tensor, attached: bool
+) -> PrefixState:
+    """Vision encode + prompt prefill of G prompts, once each (paper §2.3 prefix).
+
+    Args:
+        prompts: the G group prompts.
+        temperature: sampling temperature T of the log-prob definition (rollout.sampler.token_logprobs).
+        banned_ids: int64 [k] vision special ids excluded from the distribution (B05).
+        attached: keep the autograd graph (actor prefix) or run without it (rollout, reference).
+
+    Returns:
+        PrefixState with boundary KV per layer [G, Hkv, P_max, D] (model dtype) and last-position
+        log-probs float32 [G, V].
+    """
+    grad = contextlib.nullcontext() if attached else torch.no_grad()
+    with grad:
+        plans, last_hidden = [], []
+        for prompt in prompts:
+            plan = PrefixPlan()
+            embeds = prompt_embeddings(model, prompt)
+            positions = prompt.position_ids.to(embeds.device)[:, None, :]
+            hidden = _decoder(model, embeds, positions, plan)
+            plans.append(plan)
+            last_hidden.append(hidden[:, -1])
+        logits = model.lm_head(torch.cat(last_hidden, dim=0))
+        last_logprobs = token_logprobs(logits, temperature, banned_ids.to(logits.device))
+        lens = torch.tensor([p.length for p in prompts], device=logits.device)
+        p_max = int(lens.max())
+        layers = len(plans[0].keys)
+        keys = [_pad_stack([p.keys[i] for p in plans], p_max) for i in range(layers)]
+        values = [_pad_stack([p.values[i] for p in plans], p_max) for i in range(layers)]
+    return PrefixState(
+        keys=keys,
+        values=values,
+        prompt_lens=lens,
+        next_position=torch.tensor([p.next_position for p in prompts], device=logits.device),
+        last_logprobs=last_logprobs,
+        content_keys=[p.content_key for p in prompts],
+        attached=attached,
+    )
+
+
+def suffix_logprobs(
+    model,
+    prefix: PrefixState,
+    responses: torch.Tensor,
+    *,
+    group_size: int,
+    temperature: float,
+    banned_ids: torch.Tensor,
+    with_entropy: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Log-probs of N responses per group against the group's boundary KV (paper §2.3 suffix).
+
+    Args:
+        prefix: boundary state of the G groups (attached for the actor: gradients flow into it).
+        responses: int64 [B, R], B = G·N, right-padded (padding is scored but the caller masks it).
+        group_size: N.
+
+    Returns:
+        (logprobs float32 [B, R], entropy float32 [B, R] or None). Token 0 is scored by the prefix's
+        last-position log-probs, token j ≥ 1 by suffix position j-1. Entropy is computed without a graph.
+    """
+    lm = model.model.language_model
+    responses = responses.to(prefix.last_logprobs.device)
+    rows, length = responses.shape
+    first_lp = prefix.last_logprobs.repeat_interleave(group_size, dim=0)
+    first = first_lp.gather(1, responses[:, :1])
+    if length == 1:
+        ent = entropy_of(first_lp.detach())[:, None] if with_entropy else None
+        return first, ent
+    mask = None
+    if use_flex(responses.device):
+        mask = suffix_block_mask(prefix.prompt_lens, prefix.keys[0].shape[2], group_size, length - 1)
+    plan = SuffixPlan(prefix.keys, prefix.values, prefix.prompt_lens, group_size, mask)
+    embeds = lm.embed_tokens(responses[:, :-1])
+    positions = response_positions(prefix.next_position, length - 1, group_size)
+    hidden = _decoder(model, embeds, positions, plan)
+    banned_ids = banned_ids.to(hidden.device)
+    rest = _token_logprobs_chunked(model, hidden, responses[:, 1:], temperature, banned_ids)
+    ent = None
+    if with_entropy:
+        first_ent = entropy_of(first_lp.detach())[:, None]
+        ent = torch.cat([first_ent, _entropy_chunked(model, hidden, temperature, banned_ids)], dim=1)
+    return torch.cat([first, rest], dim=1), ent
+
+
+LOGIT_CHUNK_ELEMENTS = 2**28  # logits computed at a time (1 GiB in fp32), per chunk of rows
+
+
+def use_flex(device: torch.device) -> bool:
+    """Fused flex_attention suffixes on CUDA (the dense reference path elsewhere: no CPU backward)."""
+    return device.type == "cuda" and os.environ.get("ROLLPLEX_SUFFIX_ATTENTION", "flex") == "flex"
+
+
+def _row_chunks(hidden: torch.Tensor, vocab: int) -> list[slice]:
+    rows, length = hidden.shape[:2]
+    step = max(1, LOGIT_CHUNK_ELEMENTS // max(1, length * vocab))
+    return [slice(i, i + step) for i in range(0, rows, step)]
+
+
+def _gathered_logprobs(model, hidden, targets, temperature, banned_ids):
+    logprobs = token_logprobs(model.lm_head(hidden), temperature, banned_ids)
+    return logprobs.gather(2, targets[..., None]).squeeze(2)
+
+
+def _token_logprobs_chunked(model, hidden, targets, temperature, banned_ids) -> torch.Tensor:
+    """log-probs [B, L] of ``targets`` from hidden states [B, L, Hd], never holding all [B, L, V] logits:
+    rows are processed in chunks, and under autograd each chunk's logits are recomputed in backward."""
+    out = []
+    for rows in _row_chunks(hidden, model.lm_head.out_features):
+        args = (model, hidden[rows], targets[rows], temperature, banned_ids)
+        if torch.is_grad_enabled() and hidden.requires_grad:
+            out.append(checkpoint(_gathered_logprobs, *args, use_reentrant=False))
+        else:
+            out.append(_gathered_logprobs(*args))
+    return torch.cat(out, dim=0)
+
+
+@torch.no_grad()
+def _entropy_chunked(model, hidden, temperature, banned_ids) -> torch.Tensor:
+    """Entropy [B, L] of the next-token distributions, without a graph, in row chunks."""
+    chunks = _row_chunks(hidden, model.lm_head.out_features)
+    return torch.cat(
+        [entropy_of(token_logprobs(model.lm_head(hidden[r]), temperature, banned_ids)) for r in chunks]
+    )
+
+
+def decode_logits(model, tokens: torch.Tensor, plan: DecodePlan, next_position: torch.Tensor) -> torch.Tensor:
+    """One decode step: logits [B, V] (model dtype) for the next token after ``tokens`` (int64 [B]).
+
+    ``tokens`` sits at response position ``plan.step``; its key/value is written into the plan's cache.
+    """
+    lm = model.model.language_model
+    embeds = lm.embed_tokens(tokens[:, None])
+    positions = response_positions(next_position + plan.step, 1, plan.group_size)
+    hidden = _decoder(model, embeds, positions, plan)
+    return model.lm_head(hidden[:, 0])

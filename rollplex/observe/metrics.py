@@ -1,0 +1,242 @@
+"""Per-step metrics: the ``metrics.jsonl`` writer, wall-clock phase timing, trace spans, progress bar.
+
+``metrics.jsonl`` holds one JSON object per optimizer step, ``{"step": int, "<name>": float, ...}``,
+in step order. Non-finite values are written as ``null`` (strict JSON). Keys the loop writes:
+``reward_mean``, ``reward/<fn>``, ``accuracy``, ``format_rate``, ``kl``, ``loss``, ``clip_fraction``,
+``entropy``, ``response_length`` (tokens), ``grad_norm``, ``skipped_samples``, ``zero_variance_groups``,
+``time/<phase>`` and ``time/step`` (seconds), ``peak_memory_gib`` (GiB), ``val_accuracy`` (some steps),
+``chance_accuracy``.
+
+Chrome trace: ``write_chrome_trace`` writes the Trace Event Format (complete events, ``"ph": "X"``,
+microseconds; https://docs.google.com/document/d/1CvAClvFfyA5R-PhYUmn5OOQtYMH4h6I0nSsKchNAySU), one
+thread row per stream label; open it in Perfetto or chrome://tracing.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+from collections import defaultdict
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO
+
+from tqdm import tqdm
+
+from rollplex.types import StepStats
+
+METRICS_FILE = "metrics.jsonl"
+
+
+def _json_value(value: float | bool) -> float | int | None:
+    """A metric value as strict JSON: ints and bools kept as ints, non-finite floats as None."""
+    if isinstance(value, bool):
+        return int(value)
+    if isinstance(value, int):
+        return value
+    value = float(value)
+    return value if math.isfinite(value) else None
+
+
+def _read_lines(path: Path) -> list[dict]:
+    """Parse ``path`` line by line; a torn last line (no newline, not JSON) from a killed writer is dropped.
+
+    Raises ``ValueError`` naming the path and line number for any other unparseable line.
+    """
+    text = path.read_text()
+    lines = text.split("\n")
+    rows = []
+    for number, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError as exc:
+            if number == len(lines):
+                break
+            raise ValueError(f"{path}:{number}: not a JSON object ({exc})") from exc
+    return rows
+
+
+def read_metrics(run_dir: Path) -> list[dict]:
+    """All rows of ``run_dir/metrics.jsonl`` in file order (``null`` values read back as None).
+
+    Raises ``ValueError`` naming the path when the file is missing or holds no rows.
+    """
+    path = Path(run_dir) / METRICS_FILE
+    if not path.is_file():
+        raise ValueError(f"metrics file {str(path)!r} does not exist")
+    rows = _read_lines(path)
+    if not rows:
+        raise ValueError(f"metrics file {str(path)!r} is empty")
+    return rows
+
+
+class MetricsWriter:
+    """Appends one JSON line per step to ``run_dir/metrics.jsonl``, flushed after each line.
+
+    Args:
+        run_dir: run folder (created if missing).
+        resume_step: None starts an empty file; an int keeps only the rows with ``step <= resume_step``
+            (a resumed run rewrites the steps after its checkpoint, so curves are not duplicated).
+
+    Example:
+        writer = MetricsWriter(run_dir, resume_step=None)
+        writer.write(StepStats(step=1, values={"reward_mean": 0.5, "time/step": 2.1}))
+        writer.write({"step": 2, "reward_mean": 0.625, "time/step": 2.0})
+    """
+
+    def __init__(self, run_dir: Path, resume_step: int | None = None):
+        self.path = Path(run_dir) / METRICS_FILE
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        kept = []
+        if resume_step is not None and self.path.is_file():
+            kept = [row for row in _read_lines(self.path) if row.get("step", math.inf) <= resume_step]
+        tmp = self.path.with_name(f".{METRICS_FILE}.tmp")
+        tmp.write_text("".join(json.dumps(row) + "\n" for row in kept))
+        os.replace(tmp, self.path)
+
+    def write(self, stats: StepStats | Mapping[str, float]) -> None:
+        """Append one step as one line (the file is opened, written and closed, so each line is flushed).
+
+        ``stats`` is a ``StepStats`` (written as ``{"step": stats.step, **stats.values}``) or a flat mapping
+        with an int ``"step"`` key and float/int/bool values.
+        """
+        if isinstance(stats, StepStats):
+            stats = {"step": stats.step, **stats.values}
+        assert isinstance(stats.get("step"), int), (
+            f"metrics row needs an int 'step', got {stats.get('step')!r}"
+        )
+        row = {k: v if k == "step" else _json_value(v) for k, v in stats.items()}
+        with open(self.path, "a") as f:
+            f.write(json.dumps(row, allow_nan=False) + "\n")
+
+
+@dataclass(frozen=True)
+class Span:
+    """One timed interval: ``start``/``end`` in seconds of ``time.perf_counter``, phase name, stream label."""
+
+    start: float
+    end: float
+    name: str
+    stream: str
+
+
+class PhaseTimer:
+    """Wall-clock seconds per phase of the current step, and the spans of every phase for a trace.
+
+    Args:
+        sync: called before each clock reading (``torch.cuda.synchronize`` on GPU, so that queued kernels
+            count in the phase that launched them); None on CPU.
+        clock: seconds counter (``time.perf_counter``; tests pass a fake).
+
+    Phases with the same name in one step add up. Nested phases are timed independently (an outer
+    ``"step"`` phase includes its inner phases).
+
+    Example:
+        timer = PhaseTimer()
+        with timer.phase("rollout"):
+            ...
+        timer.pop()  # {"time/rollout": 1.93}
+    """
+
+    def __init__(
+        self, sync: Callable[[], None] | None = None, clock: Callable[[], float] = time.perf_counter
+    ):
+        self._sync = sync
+        self._clock = clock
+        self._totals: dict[str, float] = defaultdict(float)
+        self.spans: list[Span] = []
+
+    def _now(self) -> float:
+        if self._sync is not None:
+            self._sync()
+        return self._clock()
+
+    @contextmanager
+    def phase(self, name: str, stream: str = "main") -> Iterator[None]:
+        """Time the body as phase ``name`` on the trace row ``stream``."""
+        start = self._now()
+        try:
+            yield
+        finally:
+            end = self._now()
+            self._totals[name] += end - start
+            self.spans.append(Span(start, end, name, stream))
+
+    def pop(self) -> dict[str, float]:
+        """``{"time/<phase>": seconds}`` accumulated since the last pop, in first-use order; then reset."""
+        out = {f"time/{name}": seconds for name, seconds in self._totals.items()}
+        self._totals = defaultdict(float)
+        return out
+
+
+def chrome_trace(spans: list[Span]) -> dict:
+    """Trace Event Format dict: one ``"X"`` event per span (µs from the first span), one thread per stream."""
+    origin = min((s.start for s in spans), default=0.0)
+    tids: dict[str, int] = {}
+    events = []
+    for span in spans:
+        tid = tids.setdefault(span.stream, len(tids))
+        start_us = (span.start - origin) * 1e6
+        events.append(
+            {
+                "name": span.name,
+                "ph": "X",
+                "ts": start_us,
+                "dur": (span.end - span.start) * 1e6,
+                "pid": 0,
+                "tid": tid,
+            }
+        )
+    names = [
+        {"name": "thread_name", "ph": "M", "pid": 0, "tid": t, "args": {"name": s}} for s, t in tids.items()
+    ]
+    return {"traceEvents": names + events, "displayTimeUnit": "ms"}
+
+
+def write_chrome_trace(spans: list[Span], path: Path) -> None:
+    """Write ``chrome_trace(spans)`` as JSON to ``path``."""
+    Path(path).write_text(json.dumps(chrome_trace(spans)))
+
+
+POSTFIX_KEYS = (
+    ("reward", "reward_mean", "{:.3f}"),
+    ("acc", "accuracy", "{:.3f}"),
+    ("s/step", "time/step", "{:.1f}"),
+)
+
+
+def postfix(step_metrics: Mapping[str, float | None]) -> dict[str, str]:
+    """Short progress-bar fields (reward, acc, s/step) from one step's metrics; missing or None keys skipped."""
+    return {
+        label: fmt.format(step_metrics[key])
+        for label, key, fmt in POSTFIX_KEYS
+        if step_metrics.get(key) is not None
+    }
+
+
+class ProgressBar:
+    """tqdm bar over optimizer steps with ETA and a short postfix (reward, acc, s/step).
+
+    Args:
+        total: steps of the whole run. initial: steps already done (resume). enabled: False shows nothing.
+        file: stream to draw on (tqdm default: stderr).
+    """
+
+    def __init__(self, total: int, initial: int = 0, enabled: bool = True, file: IO[str] | None = None):
+        self._bar = tqdm(
+            total=total, initial=initial, disable=not enabled, unit="step", dynamic_ncols=True, file=file
+        )
+
+    def update(self, step_metrics: Mapping[str, float | None]) -> None:
+        """Advance one step and show its postfix fields."""
+        self._bar.set_postfix(postfix(step_metrics), refresh=False)
+        self._bar.update(1)
+
+    def close(self) -> None:
+        self._bar.close()

@@ -1,0 +1,185 @@
+"""PNG report of a run from its ``metrics.jsonl``.
+
+Figures written to ``run_dir/report/`` (a figure whose keys are all missing is not written):
+
+- ``rewards.png``: ``reward_mean`` and each ``reward/<fn>`` vs step.
+- ``accuracy.png``: training ``accuracy`` and held-out ``val_accuracy`` vs step, ``chance_accuracy`` dashed.
+- ``step_time.png``: stacked bars of the ``time/<phase>`` seconds of every step (plus ``other`` =
+  ``time/step`` minus the phases, when positive), and the mean breakdown over steps. Phases are assumed
+  disjoint (the loop's phases are).
+- ``training.png``: one panel per diagnostic present (loss, kl, clip_fraction, entropy, ...).
+
+Matplotlib is used through ``Figure`` objects and its Agg canvas, without pyplot's global state.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+
+from matplotlib.figure import Figure
+from matplotlib.ticker import MaxNLocator
+
+from rollplex.observe.metrics import read_metrics
+
+REPORT_DIR = "report"
+DIAGNOSTICS = (
+    ("loss", "loss"),
+    ("kl", "KL to reference"),
+    ("clip_fraction", "clip fraction"),
+    ("entropy", "entropy (nats/token)"),
+    ("response_length", "response length (tokens)"),
+    ("format_rate", "format rate"),
+    ("grad_norm", "grad norm"),
+    ("zero_variance_groups", "zero-variance groups"),
+    ("skipped_samples", "skipped samples"),
+    ("peak_memory_gib", "peak memory (GiB)"),
+    ("lr", "learning rate"),
+    ("logprob_diff_max", "max |rollout - trainer log-prob|"),
+)
+
+
+def series(rows: Sequence[dict], key: str) -> tuple[list[int], list[float]]:
+    """``(steps, values)`` of the rows where ``key`` is present and not None, in row order."""
+    pairs = [(row["step"], float(row[key])) for row in rows if row.get(key) is not None]
+    return [s for s, _ in pairs], [v for _, v in pairs]
+
+
+def keys_with_prefix(rows: Sequence[dict], prefix: str, exclude: Sequence[str] = ()) -> list[str]:
+    """Keys starting with ``prefix`` in first-seen order, without ``exclude``."""
+    seen: dict[str, None] = {}
+    for row in rows:
+        seen.update({k: None for k in row if k.startswith(prefix) and k not in exclude})
+    return list(seen)
+
+
+def step_times(rows: Sequence[dict]) -> tuple[list[int], dict[str, list[float]]]:
+    """Per-step seconds of each phase (0 where a phase is absent) over the rows with any ``time/`` key.
+
+    Returns ``(steps, {phase: [seconds per step]})``; the phase ``"other"`` = max(0, ``time/step`` − Σ phases)
+    is added when ``time/step`` is present and the residual is positive somewhere.
+    """
+    phases = keys_with_prefix(rows, "time/", exclude=("time/step",))
+    timed = [row for row in rows if any(k.startswith("time/") for k in row)]
+    table = {p.removeprefix("time/"): [float(row.get(p) or 0.0) for row in timed] for p in phases}
+    totals = [sum(values) for values in zip(*table.values(), strict=True)] if table else [0.0] * len(timed)
+    other = [max(0.0, float(row.get("time/step") or 0.0) - t) for row, t in zip(timed, totals, strict=True)]
+    if any(other):
+        table["other"] = other
+    return [row["step"] for row in timed], table
+
+
+def mean_breakdown(table: dict[str, list[float]]) -> dict[str, float]:
+    """Mean seconds per step of each phase of a ``step_times`` table."""
+    return {name: sum(values) / len(values) for name, values in table.items() if values}
+
+
+def _step_axis(ax, **labels: str) -> None:
+    """x axis = optimizer step (integer ticks), light grid, and the given ``ax.set`` labels."""
+    ax.set(xlabel="step", **labels)
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    ax.grid(alpha=0.3)
+
+
+def rewards_figure(rows: Sequence[dict]) -> Figure | None:
+    """``reward_mean`` and each ``reward/<fn>`` vs step (8×4.5 in); None when none is present."""
+    keys = [k for k in ["reward_mean", *keys_with_prefix(rows, "reward/")] if series(rows, k)[0]]
+    if not keys:
+        return None
+    fig = Figure(figsize=(8, 4.5))
+    ax = fig.add_subplot()
+    for key in keys:
+        ax.plot(*series(rows, key), label=key, linewidth=2.0 if key == "reward_mean" else 1.2)
+    _step_axis(ax, ylabel="reward (mean over responses)", title="Rewards")
+    ax.legend()
+    return fig
+
+
+def accuracy_figure(rows: Sequence[dict]) -> Figure | None:
+    """Train and held-out accuracy vs step, chance dashed (8×4.5 in); None without either accuracy."""
+    if not (series(rows, "accuracy")[0] or series(rows, "val_accuracy")[0]):
+        return None
+    fig = Figure(figsize=(8, 4.5))
+    ax = fig.add_subplot()
+    styles = (
+        ("accuracy", {"label": "train accuracy"}),
+        ("val_accuracy", {"label": "held-out", "marker": "o"}),
+    )
+    for key, style in styles:
+        if series(rows, key)[0]:
+            ax.plot(*series(rows, key), **style)
+    if series(rows, "chance_accuracy")[0]:
+        ax.plot(*series(rows, "chance_accuracy"), linestyle="--", color="gray", label="chance")
+    _step_axis(ax, ylabel="accuracy", title="Accuracy")
+    ax.set_ylim(-0.02, 1.02)
+    ax.legend()
+    return fig
+
+
+def step_time_figure(rows: Sequence[dict]) -> Figure | None:
+    """Stacked per-step phase seconds and the mean breakdown (12×4.5 in); None without ``time/`` keys."""
+    steps, table = step_times(rows)
+    if not table:
+        return None
+    fig = Figure(figsize=(12, 4.5))
+    bars, means = fig.add_subplot(1, 2, 1), fig.add_subplot(1, 2, 2)
+    bottom = [0.0] * len(steps)
+    for name, values in table.items():
+        bars.bar(steps, values, bottom=bottom, label=name, width=0.8)
+        bottom = [b + v for b, v in zip(bottom, values, strict=True)]
+    _step_axis(bars, ylabel="seconds", title="Step time by phase")
+    bars.legend(fontsize="small")
+    breakdown = mean_breakdown(table)
+    total = sum(breakdown.values()) or 1.0
+    names = list(breakdown)
+    means.barh(names, [breakdown[n] for n in names], color=[f"C{i}" for i in range(len(names))])
+    for i, name in enumerate(names):
+        means.text(
+            breakdown[name],
+            i,
+            f" {breakdown[name]:.2f} s ({100 * breakdown[name] / total:.0f} %)",
+            va="center",
+        )
+    means.invert_yaxis()
+    means.set(xlabel="mean seconds per step", title=f"Mean breakdown ({total:.2f} s/step)")
+    means.set_xlim(0, max(breakdown.values(), default=1.0) * 1.4 or 1.0)
+    return fig
+
+
+def diagnostics_figure(rows: Sequence[dict]) -> Figure | None:
+    """One panel per present ``DIAGNOSTICS`` key, 3 columns (4.5×3.2 in each); None when none is present."""
+    present = [(key, title) for key, title in DIAGNOSTICS if series(rows, key)[0]]
+    if not present:
+        return None
+    cols = min(3, len(present))
+    nrows = -(-len(present) // cols)
+    fig = Figure(figsize=(4.5 * cols, 3.2 * nrows))
+    for i, (key, title) in enumerate(present):
+        ax = fig.add_subplot(nrows, cols, i + 1)
+        ax.plot(*series(rows, key))
+        _step_axis(ax, title=title)
+    return fig
+
+
+def make_report(run_dir: Path) -> list[Path]:
+    """Write the report PNGs of ``run_dir`` into ``run_dir/report/`` and return their paths.
+
+    Raises ``ValueError`` naming the path when ``run_dir/metrics.jsonl`` is missing or empty.
+    """
+    rows = read_metrics(run_dir)
+    out = Path(run_dir) / REPORT_DIR
+    out.mkdir(parents=True, exist_ok=True)
+    plots = (
+        (rewards_figure, "rewards.png"),
+        (accuracy_figure, "accuracy.png"),
+        (step_time_figure, "step_time.png"),
+        (diagnostics_figure, "training.png"),
+    )
+    written = []
+    for build, name in plots:
+        fig = build(rows)
+        if fig is not None:
+            fig.tight_layout()
+            fig.savefig(out / name, dpi=100)
+            written.append(out / name)
+    return written

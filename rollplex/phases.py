@@ -1,0 +1,206 @@
+"""The phases of one synchronous GRPO iteration (DESIGN.md §2), each a function of typed inputs.
+
+    rollout    rollout prefix (detached, θ_k) → decode N responses per group
+    rewards    reward functions → group advantages
+    reference  reference prefix (detached) + suffix scoring → ref log-probs
+    actor      actor prefix (attached) + suffix → GRPO loss → backward
+    optimizer  clip + AdamW → θ_{k+1}
+
+Every role computes its prompt prefix once per group (models.forward). Schedules (schedule/) decide
+the order and concurrency of these calls; the functions themselves never synchronise the device.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from rollplex.algo.advantages import group_advantages
+from rollplex.algo.kl import kl_penalty
+from rollplex.algo.losses import aggregate, policy_loss
+from rollplex.algo.rewards import compute_rewards
+from rollplex.config import Config, reward_weights
+from rollplex.models.forward import prefix_forward, suffix_logprobs
+from rollplex.optim import MasterWeightAdamW
+from rollplex.rollout.engine import SamplingParams, generate
+from rollplex.types import Prompt, RolloutBatch, ScoredBatch
+
+
+@dataclass
+class Roles:
+    """What the phases run on: the actor (trained, also read by rollout), the frozen reference, the
+    optimizer, the tokenizer, sampling settings and the sampling generator."""
+
+    actor: torch.nn.Module
+    reference: torch.nn.Module | None
+    optimizer: MasterWeightAdamW
+    tokenizer: object
+    sampling: SamplingParams
+    generator: torch.Generator
+    config: Config
+
+    @property
+    def banned_ids(self) -> torch.Tensor:
+        return self.sampling.banned_ids
+
+    @property
+    def score_temperature(self) -> float:
+        """Temperature of the log-prob definition (1.0 when rollout is greedy)."""
+        return self.sampling.temperature if self.sampling.temperature > 0 else 1.0
+
+
+def rollout_phase(
+    roles: Roles, prompts: list[Prompt], group_size: int, sampling: SamplingParams
+) -> RolloutBatch:
+    """Rollout prefix under θ_k (no graph) and N samples per prompt."""
+    temperature = sampling.temperature if sampling.temperature > 0 else 1.0
+    prefix = prefix_forward(
+        roles.actor, prompts, temperature=temperature, banned_ids=roles.banned_ids, attached=False
+    )
+    return generate(
+        roles.actor,
+        prompts,
+        prefix,
+        group_size=group_size,
+        params=sampling,
+        tokenizer=roles.tokenizer,
+        generator=roles.generator,
+    )
+
+
+def reward_phase(roles: Roles, rollout: RolloutBatch) -> ScoredBatch:
+    """Rewards of every response and group advantages (reference log-probs are filled in later)."""
+    cfg = roles.config
+    records = [p.record for p in rollout.prompts for _ in range(rollout.group_size)]
+    rewards = compute_rewards(rollout.texts, records, list(cfg.reward.functions), reward_weights(cfg.reward))
+    advantages, zero_groups = group_advantages(rewards.total, rollout.group_size, cfg.algo.normalize_std)
+    advantages = advantages.to(rollout.responses.device)
+    return ScoredBatch(rollout, rewards, advantages, zero_groups, ref_logprobs=None)
+
+
+def score(
+    model, prompts: list[Prompt], rollout: RolloutBatch, temperature: float, banned_ids
+) -> torch.Tensor:
+    """Detached log-probs float32 [B, R] of the rollout's responses under ``model`` (prefix + suffix)."""
+    with torch.no_grad():
+        prefix = prefix_forward(
+            model, prompts, temperature=temperature, banned_ids=banned_ids, attached=False
+        )
+        logprobs, _ = suffix_logprobs(
+            model,
+            prefix,
+            rollout.responses,
+            group_size=rollout.group_size,
+            temperature=temperature,
+            banned_ids=banned_ids,
+        )
+    return logprobs * rollout.response_mask()
+
+
+def reference_phase(roles: Roles, scored: ScoredBatch) -> ScoredBatch:
+    """Reference log-probs of the responses (skipped when the KL coefficient is 0)."""
+    if roles.reference is None or roles.config.algo.kl_coef == 0:
+        return scored
+    rollout = scored.rollout
+    scored.ref_logprobs = score(
+        roles.reference, rollout.prompts, rollout, roles.score_temperature, roles.banned_ids
+    )
+    return scored
+
+
+@dataclass
+class ActorStats:
+    """Sums over the micro-batches of one mini-batch."""
+
+    loss: float = 0.0
+    kl: float = 0.0
+    clip_fraction: float = 0.0
+    entropy: float = 0.0
+    logprob_diff_max: float = 0.0
+    logprob_diff_sum: float = 0.0
+    tokens: int = 0
+
+
+def _group_slices(groups: list[int], size: int) -> list[list[int]]:
+    size = size if size > 0 else len(groups)
+    return [groups[i : i + size] for i in range(0, len(groups), size)]
+
+
+def actor_backward(
+    roles: Roles, scored: ScoredBatch, groups: list[int], old_logprobs: torch.Tensor | None
+) -> ActorStats:
+    """Forward + backward of the GRPO loss over ``groups`` (one mini-batch), micro-batched by groups.
+
+    The loss of each micro-batch is normalised by the mini-batch's valid-token and sequence counts, so
+    the accumulated gradient equals the full mini-batch gradient (field case B11).
+
+    Args:
+        old_logprobs: float32 [B, R] behaviour log-probs, or None for the first (on-policy) update, where
+            the detached current log-probs are used so the ratio is exactly 1.
+    """
+    cfg, rollout = roles.config, scored.rollout
+    n, mask = rollout.group_size, rollout.response_mask()
+    rows_all = [g * n + i for g in groups for i in range(n)]
+    num_tokens, stats = int(mask[rows_all].sum()), ActorStats()
+    for micro in _group_slices(groups, cfg.algo.micro_batch_groups):
+        rows = torch.tensor([g * n + i for g in micro for i in range(n)], device=mask.device)
+        prefix = prefix_forward(
+            roles.actor,
+            [rollout.prompts[g] for g in micro],
+            temperature=roles.score_temperature,
+            banned_ids=roles.banned_ids,
+            attached=True,
+        )
+        logprobs, entropy = suffix_logprobs(
+            roles.actor,
+            prefix,
+            rollout.responses[rows],
+            group_size=n,
+            temperature=roles.score_temperature,
+            banned_ids=roles.banned_ids,
+            with_entropy=True,
+        )
+        m = mask[rows]
+        old = logprobs.detach() if old_logprobs is None else old_logprobs[rows]
+        loss_tok, clipped = policy_loss(
+            logprobs, old, scored.advantages[rows], cfg.algo.clip_low, cfg.algo.clip_high
+        )
+        kl = torch.zeros_like(loss_tok)
+        if scored.ref_logprobs is not None:
+            kl = kl_penalty(
+                logprobs, scored.ref_logprobs[rows], cfg.algo.kl_estimator, cfg.algo.kl_log_ratio_bound
+            )
+            loss_tok = loss_tok + cfg.algo.kl_coef * kl
+        loss = aggregate(
+            loss_tok,
+            m,
+            cfg.algo.loss_agg,
+            num_tokens=num_tokens,
+            num_seqs=len(rows_all),
+            horizon=cfg.rollout.max_response_tokens,
+        )
+        loss.backward()
+        _accumulate(stats, loss, kl, clipped, entropy, logprobs.detach(), rollout.logprobs[rows], m)
+    return stats
+
+
+def _accumulate(stats: ActorStats, loss, kl, clipped, entropy, logprobs, rollout_logprobs, mask) -> None:
+    """Add one micro-batch's masked sums to ``stats``."""
+    m = mask.float()
+    diff = (logprobs - rollout_logprobs).abs() * m
+    stats.loss += float(loss.detach())
+    stats.kl += float((kl.detach() * m).sum())
+    stats.clip_fraction += float((clipped.float() * m).sum())
+    stats.entropy += float((entropy * m).sum())
+    stats.logprob_diff_max = max(stats.logprob_diff_max, float(diff.max()) if diff.numel() else 0.0)
+    stats.logprob_diff_sum += float(diff.sum())
+    stats.tokens += int(m.sum())
+
+
+def actor_old_logprobs(roles: Roles, scored: ScoredBatch) -> torch.Tensor | None:
+    """Behaviour log-probs under θ_k for multi-update steps (None when there is one update per batch)."""
+    if roles.config.algo.mini_batches <= 1:
+        return None
+    rollout = scored.rollout
+    return score(roles.actor, rollout.prompts, rollout, roles.score_temperature, roles.banned_ids)

@@ -1,0 +1,41 @@
+#!/usr/bin/env bash
+# GPU tests and benchmarks in one call. Usage: scripts/gpu_suite.sh [tests] [train] [prefix] [schedule]
+# (no argument = all). Results go under $OUT (default ./gpu-results): logs, metrics and JSON tables.
+# Wheels missing from the GPU image (PyAV, rouge-score, nltk) are installed from .whl/ when present.
+set -uo pipefail
+OUT=${OUT:-gpu-results}
+WORK=${WORK:-/tmp/rollplex-gpu}
+mkdir -p "$OUT" "$WORK"
+stages=${*:-tests train prefix schedule}
+if compgen -G ".whl/*.whl" >/dev/null; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    && export PYTHONPATH=/tmp/site
+fi
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+export PYTORCH_CUDA_ALLOC_CONF=${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True}
+rollplex() { python3 -m rollplex "$@"; }
+{ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+  python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)"
+} | tee "$OUT/env.txt"
+status=0
+for stage in $stages; do
+  echo "=== $stage $(date -u +%FT%TZ)"
+  case $stage in
+    tests)
+      python3 -m pytest -q -p no:cacheprovider tests/numerics 2>&1 | tee "$OUT/tests.log" || status=1 ;;
+    train)
+      [ -d "$WORK/3b" ] || rollplex model init --preset qwen2.5-vl-3b --out "$WORK/3b" --dtype bfloat16
+      [ -d "$WORK/video" ] || rollplex data synth --out "$WORK/video" --num 16 --seed 0 \
+        --width 640 --height 480 --frames 64 --fps 8 --families color,direction
+      rollplex train configs/h200-3b-video.yaml model.path="$WORK/3b" data.train_path="$WORK/video/train.json" \
+        run.out_dir="$WORK/run-3b" run.progress=false 2>&1 | tee "$OUT/train.log" || status=1
+      cp "$WORK/run-3b/metrics.jsonl" "$OUT/train-metrics.jsonl" 2>/dev/null ;;
+    prefix)
+      rollplex bench prefix --out "$OUT/bench-prefix.json" 2>&1 | tee "$OUT/bench-prefix.log" || status=1 ;;
+    schedule)
+      if python3 -c "import rollplex.bench.schedule" 2>/dev/null; then
+        rollplex bench schedule --out "$OUT/bench-schedule.json" 2>&1 | tee "$OUT/bench-schedule.log" || status=1
+      fi ;;
+  esac
+done
+exit $status

@@ -1,0 +1,137 @@
+"""Prefix + suffix == full sequence: log-probs (≤ 1e-10 abs) and gradients (≤ 1e-9 rel), float64.
+
+DESIGN.md §5, lines 1–2. Cases: images and videos with different second_per_grid_ts, text-only
+prompts mixed with video prompts (B15), several groups of different prompt lengths in one batch,
+responses of length 1 and of the full budget, a response containing a vision placeholder id (B05),
+consecutive calls with different layouts (B01).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from rollplex.models.forward import prefix_forward, suffix_logprobs
+from tests.numerics.conftest import BANNED, IMAGE, V_START, VIDEO, full_logprobs, make_prompt
+
+N, R, T = 3, 6, 0.7
+
+
+def _batch():
+    prompts = [
+        make_prompt([4, 3], [("image", (1, 4, 6), 0.0)], seed=1),  # Layout A (start/end tokens count as text)
+        make_prompt([3, 2], [("video", (4, 4, 4), 0.5)], seed=2),
+        make_prompt([12], [], seed=3),  # text only (B15)
+        make_prompt([2, 3, 1], [("video", (2, 4, 6), 1.5), ("image", (1, 8, 8), 0.0)], seed=4),
+    ]
+    g = torch.Generator().manual_seed(5)
+    responses = torch.randint(3, 150, (len(prompts) * N, R), generator=g)
+    lens = torch.tensor([R, 1, 4, 2, R, 5, 1, 3, R, 6, 2, 4])
+    return prompts, responses, lens
+
+
+def _oracle_rows(oracle, prompts, responses, lens, banned=BANNED):
+    return [
+        full_logprobs(oracle, prompts[b // N], responses[b, : lens[b]], T, banned)
+        for b in range(responses.shape[0])
+    ]
+
+
+def test_suffix_logprobs_match_full_sequence(models):
+    model, oracle = models
+    prompts, responses, lens = _batch()
+    prefix = prefix_forward(model, prompts, temperature=T, banned_ids=BANNED, attached=False)
+    got, _ = suffix_logprobs(model, prefix, responses, group_size=N, temperature=T, banned_ids=BANNED)
+    with torch.no_grad():
+        want = _oracle_rows(oracle, prompts, responses, lens)
+    for b, ref in enumerate(want):
+        assert torch.isfinite(got[b, : lens[b]]).all()
+        assert (got[b, : lens[b]] - ref).abs().max() <= 1e-10, b
+
+
+def test_placeholder_ids_in_responses_are_plain_text(models):
+    """B05: vision placeholder ids inside a response get no vision feature and sequential positions; with
+    the ban lifted their log-probs are finite and match the oracle; with the ban they are exactly -inf
+    (the sampler can never produce them, see tests/rollout)."""
+    model, oracle = models
+    prompts, responses, lens = _batch()
+    responses[1, 2], responses[4, 0], responses[7, 3] = IMAGE, V_START, VIDEO
+    no_ban = torch.tensor([], dtype=torch.long)
+    prefix = prefix_forward(model, prompts, temperature=T, banned_ids=no_ban, attached=False)
+    got, _ = suffix_logprobs(model, prefix, responses, group_size=N, temperature=T, banned_ids=no_ban)
+    with torch.no_grad():
+        want = _oracle_rows(oracle, prompts, responses, lens, no_ban)
+    for b, ref in enumerate(want):
+        assert torch.isfinite(got[b, : lens[b]]).all()
+        assert (got[b, : lens[b]] - ref).abs().max() <= 1e-10, b
+    prefix = prefix_forward(model, prompts, temperature=T, banned_ids=BANNED, attached=False)
+    banned, _ = suffix_logprobs(model, prefix, responses, group_size=N, temperature=T, banned_ids=BANNED)
+    assert banned[1, 2] == banned[4, 0] == banned[7, 3] == float("-inf")
+
+
+def test_no_layout_state_leaks_between_calls(models):
+    """B01: a second batch with other layouts gives the same numbers as when run alone."""
+    model, _ = models
+    first, responses, _ = _batch()
+    other = [make_prompt([2, 1], [("image", (1, 8, 8), 0.0)], seed=9)]  # Layout B
+    other_resp = responses[:N]
+    alone = prefix_forward(model, other, temperature=T, banned_ids=BANNED, attached=False)
+    want, _ = suffix_logprobs(model, alone, other_resp, group_size=N, temperature=T, banned_ids=BANNED)
+    prefix_forward(model, first, temperature=T, banned_ids=BANNED, attached=False)
+    again = prefix_forward(model, other, temperature=T, banned_ids=BANNED, attached=False)
+    got, _ = suffix_logprobs(model, again, other_resp, group_size=N, temperature=T, banned_ids=BANNED)
+    assert int(again.next_position[0]) == 9  # Layout B: first response position 9 on all axes
+    assert torch.equal(got, want)
+
+
+def _loss(rows_logprobs: list[torch.Tensor]) -> torch.Tensor:
+    weights = torch.linspace(-1.0, 1.5, len(rows_logprobs), dtype=torch.float64)
+    return sum(w * lp.sum() for w, lp in zip(weights, rows_logprobs))
+
+
+def _grads(model) -> dict[str, torch.Tensor]:
+    return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def _check_gradients(model, oracle, trainable_vision: bool):
+    prompts, responses, lens = _batch()
+    for m in (model, oracle):
+        m.zero_grad(set_to_none=True)
+        m.requires_grad_(True)
+        m.model.visual.requires_grad_(trainable_vision)
+    prefix = prefix_forward(model, prompts, temperature=T, banned_ids=BANNED, attached=True)
+    got, _ = suffix_logprobs(model, prefix, responses, group_size=N, temperature=T, banned_ids=BANNED)
+    _loss([got[b, : lens[b]] for b in range(len(lens))]).backward()
+    _loss(_oracle_rows(oracle, prompts, responses, lens)).backward()
+    mine, ref = _grads(model), _grads(oracle)
+    assert mine.keys() == ref.keys()
+    for name, g in ref.items():
+        rel = (mine[name] - g).norm() / g.norm().clamp_min(1e-300)
+        assert rel <= 1e-9, (name, float(rel))
+    return mine
+
+
+def test_gradients_match_full_sequence_including_vision(models):
+    mine = _check_gradients(*models, trainable_vision=True)
+    assert any(n.startswith("model.visual.blocks.0") for n in mine)
+    assert any(n.startswith("model.visual.merger") for n in mine)
+    assert all(float(g.abs().max()) > 0 for n, g in mine.items() if n.startswith("model.visual.merger"))
+
+
+def test_frozen_vision_gets_no_grad_and_keeps_no_graph(models):
+    """B17: with the tower frozen no vision parameter gets a .grad and no vision activations are kept."""
+    model, oracle = models
+    mine = _check_gradients(model, oracle, trainable_vision=False)
+    assert not any(n.startswith("model.visual") for n in mine)
+    model.model.visual.requires_grad_(True)
+    oracle.model.visual.requires_grad_(True)
+
+
+def test_step0_reference_equals_actor(models):
+    """With reference == actor: detached and attached paths give identical log-probs (KL 0, ratio 1)."""
+    model, _ = models
+    prompts, responses, lens = _batch()
+    ref = prefix_forward(model, prompts, temperature=T, banned_ids=BANNED, attached=False)
+    ref_lp, _ = suffix_logprobs(model, ref, responses, group_size=N, temperature=T, banned_ids=BANNED)
+    act = prefix_forward(model, prompts, temperature=T, banned_ids=BANNED, attached=True)
+    act_lp, _ = suffix_logprobs(model, act, responses, group_size=N, temperature=T, banned_ids=BANNED)
+    assert torch.equal(ref_lp, act_lp.detach())

@@ -1,0 +1,127 @@
+"""Rollout records the trainer's log-probs; decode from a shared prefix equals a full-sequence forward.
+
+DESIGN.md §5 (rollout log-probs follow the trainer's definition; step-0 ratio 1), field cases B05
+(vision ids are never sampled), B08, and the issue's "fp32 on CPU ≤ 1e-5" step-0 check.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+
+from rollplex.algo.losses import policy_loss
+from rollplex.models.forward import prefix_forward, suffix_logprobs
+from rollplex.rollout.engine import SamplingParams, generate
+from tests.numerics.conftest import BANNED, IMAGE, V_START, full_logprobs, make_prompt
+
+N, T = 4, 0.9
+
+
+class _Tokenizer:
+    def decode(self, ids, skip_special_tokens=True):
+        return " ".join(str(i) for i in ids)
+
+
+def _prompts():
+    return [
+        make_prompt([4, 3], [("image", (1, 4, 6), 0.0)], seed=11),
+        make_prompt([3, 2], [("video", (2, 4, 4), 1.0)], seed=12),
+        make_prompt([7], [], seed=13),
+    ]
+
+
+def _params(max_tokens=8, eos=(1,), **kw):
+    base = dict(
+        temperature=T, top_p=1.0, top_k=0, max_tokens=max_tokens, eos_ids=eos, pad_id=2, banned_ids=BANNED
+    )
+    base.update(kw)
+    return SamplingParams(**base)
+
+
+def _rollout(model, prompts, params, seed=0):
+    prefix = prefix_forward(model, prompts, temperature=T, banned_ids=BANNED, attached=False)
+    g = torch.Generator().manual_seed(seed)
+    return generate(model, prompts, prefix, group_size=N, params=params, tokenizer=_Tokenizer(), generator=g)
+
+
+def test_recorded_logprobs_equal_trainer_and_oracle_float64(models):
+    model, oracle = models
+    prompts = _prompts()
+    batch = _rollout(model, prompts, _params())
+    mask = batch.response_mask()
+    prefix = prefix_forward(model, prompts, temperature=T, banned_ids=BANNED, attached=True)
+    trainer, _ = suffix_logprobs(
+        model, prefix, batch.responses, group_size=N, temperature=T, banned_ids=BANNED
+    )
+    assert (trainer - batch.logprobs).abs()[mask].max() <= 1e-10
+    for b in range(batch.responses.shape[0]):
+        length = int(batch.response_lens[b])
+        with torch.no_grad():
+            ref = full_logprobs(oracle, prompts[b // N], batch.responses[b, :length], T)
+        assert (batch.logprobs[b, :length] - ref).abs().max() <= 1e-10
+    loss, clipped = policy_loss(trainer, trainer.detach(), torch.ones(trainer.shape[0]), 0.2, 0.28)
+    assert not clipped[mask].any()
+
+
+def test_step0_rollout_vs_trainer_float32(models):
+    """fp32 on CPU: rollout-recorded vs prefix+suffix log-probs agree to ≤ 1e-5."""
+    model32 = copy.deepcopy(models[0]).float()
+    prompts = _prompts()
+    for p in prompts:
+        p.pixel_values = None if p.pixel_values is None else p.pixel_values.float()
+        p.pixel_values_videos = None if p.pixel_values_videos is None else p.pixel_values_videos.float()
+    batch = _rollout(model32, prompts, _params(max_tokens=12))
+    prefix = prefix_forward(model32, prompts, temperature=T, banned_ids=BANNED, attached=True)
+    trainer, _ = suffix_logprobs(
+        model32, prefix, batch.responses, group_size=N, temperature=T, banned_ids=BANNED
+    )
+    diff = (trainer.detach() - batch.logprobs).abs()[batch.response_mask()]
+    assert diff.max() <= 1e-5
+    ratio = torch.exp(trainer - trainer.detach())[batch.response_mask()]
+    assert torch.equal(ratio, torch.ones_like(ratio))
+
+
+def test_eos_lengths_and_padding(models):
+    model, _ = models
+    prompts = _prompts()
+    eos_ids = tuple(range(3, 120))  # most tokens end a response: lengths vary from 1 up
+    batch = _rollout(model, prompts, _params(max_tokens=6, eos=eos_ids))
+    for b in range(batch.responses.shape[0]):
+        length = int(batch.response_lens[b])
+        row = batch.responses[b]
+        if not batch.truncated[b]:
+            assert int(row[length - 1]) in eos_ids
+            assert all(int(t) not in eos_ids for t in row[: length - 1])
+        assert (row[length:] == 2).all()
+        assert (batch.logprobs[b, length:] == 0).all()
+    assert batch.response_mask().sum() == batch.response_lens.sum()
+
+
+def test_vision_ids_are_never_sampled(models):
+    """B05: even when the model puts almost all mass on vision ids they are not generated."""
+    model = copy.deepcopy(models[0])
+    with torch.no_grad():
+        model.lm_head.weight[IMAGE] *= 50
+        model.lm_head.weight[V_START] *= 50
+    batch = _rollout(model, _prompts(), _params(max_tokens=10))
+    assert not torch.isin(batch.responses, BANNED).any()
+
+
+def test_prefix_computed_once_per_group(models):
+    """The vision tower runs once per group for the rollout prefix, not once per sample."""
+    model = models[0]
+    calls = []
+    handle = model.model.visual.register_forward_hook(lambda *a: calls.append(1))
+    try:
+        _rollout(model, _prompts(), _params(max_tokens=4))
+    finally:
+        handle.remove()
+    assert len(calls) == 2  # two of the three prompts have media
+
+
+def test_same_seed_same_rollout(models):
+    model = models[0]
+    a = _rollout(model, _prompts(), _params(), seed=7)
+    b = _rollout(model, _prompts(), _params(), seed=7)
+    assert torch.equal(a.responses, b.responses) and torch.equal(a.logprobs, b.logprobs)

@@ -1,0 +1,152 @@
+"""metrics.jsonl writer/reader, phase timing with a fake clock, Chrome trace, progress bar."""
+
+from __future__ import annotations
+
+import io
+import json
+
+import pytest
+
+from rollplex.observe.metrics import (
+    MetricsWriter,
+    PhaseTimer,
+    ProgressBar,
+    Span,
+    chrome_trace,
+    postfix,
+    read_metrics,
+    write_chrome_trace,
+)
+from rollplex.types import StepStats
+
+
+def _steps(run_dir) -> list[int]:
+    return [row["step"] for row in read_metrics(run_dir)]
+
+
+def test_lines_are_flushed_as_written(tmp_path):
+    writer = MetricsWriter(tmp_path)
+    writer.write(StepStats(step=1, values={"reward_mean": 0.5, "loss": -0.25}))
+    writer.write({"step": 2, "reward_mean": 0.75, "kl": 1e-3})
+    lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
+    assert [json.loads(line) for line in lines] == [
+        {"step": 1, "reward_mean": 0.5, "loss": -0.25},
+        {"step": 2, "reward_mean": 0.75, "kl": 0.001},
+    ]
+
+
+def test_values_are_strict_json(tmp_path):
+    writer = MetricsWriter(tmp_path)
+    writer.write(StepStats(step=1, values={"loss": float("nan"), "kl": float("inf"), "flag": True, "n": 3}))
+    text = (tmp_path / "metrics.jsonl").read_text()
+    assert "NaN" not in text and "Infinity" not in text
+    assert read_metrics(tmp_path) == [{"step": 1, "loss": None, "kl": None, "flag": 1, "n": 3}]
+
+
+def test_resume_truncates_later_steps(tmp_path):
+    writer = MetricsWriter(tmp_path)
+    for step in range(1, 6):
+        writer.write(StepStats(step=step, values={"reward_mean": step / 10}))
+    writer = MetricsWriter(tmp_path, resume_step=3)
+    assert _steps(tmp_path) == [1, 2, 3]
+    writer.write(StepStats(step=4, values={"reward_mean": 9.0}))
+    rows = read_metrics(tmp_path)
+    assert _steps(tmp_path) == [1, 2, 3, 4]
+    assert rows[2]["reward_mean"] == 0.3 and rows[3]["reward_mean"] == 9.0
+
+
+def test_fresh_writer_starts_empty(tmp_path):
+    writer = MetricsWriter(tmp_path)
+    writer.write(StepStats(step=1, values={"loss": 1.0}))
+    writer = MetricsWriter(tmp_path, resume_step=None)
+    writer.write(StepStats(step=1, values={"loss": 2.0}))
+    assert read_metrics(tmp_path) == [{"step": 1, "loss": 2.0}]
+
+
+def test_torn_last_line_is_dropped(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    path.write_text('{"step": 1, "loss": 1.0}\n{"step": 2, "loss": 2.0}\n{"step": 3, "lo')
+    assert _steps(tmp_path) == [1, 2]
+    writer = MetricsWriter(tmp_path, resume_step=2)
+    writer.write(StepStats(step=3, values={"loss": 3.0}))
+    assert read_metrics(tmp_path)[-1] == {"step": 3, "loss": 3.0}
+
+
+def test_read_errors_name_the_path(tmp_path):
+    with pytest.raises(ValueError, match=r"metrics\.jsonl.*does not exist"):
+        read_metrics(tmp_path)
+    path = tmp_path / "metrics.jsonl"
+    path.write_text("\n")
+    with pytest.raises(ValueError, match=r"metrics\.jsonl.*empty"):
+        read_metrics(tmp_path)
+    path.write_text('{"step": 1}\nnot json\n{"step": 3}\n')
+    with pytest.raises(ValueError, match=r"metrics\.jsonl:2:"):
+        read_metrics(tmp_path)
+
+
+def test_phase_timer_with_fake_clock():
+    ticks = iter([0.0, 1.5, 2.0, 2.25, 3.0, 4.0, 10.0, 10.5])
+    syncs = []
+    timer = PhaseTimer(sync=lambda: syncs.append(1), clock=lambda: next(ticks))
+    with timer.phase("rollout"):
+        pass
+    with timer.phase("actor", stream="train"):
+        pass
+    with pytest.raises(RuntimeError), timer.phase("rollout"):
+        raise RuntimeError("a failing phase is still timed")
+    assert timer.pop() == {"time/rollout": 2.5, "time/actor": 0.25}
+    assert len(syncs) == 6
+    with timer.phase("optimizer"):
+        pass
+    assert timer.pop() == {"time/optimizer": 0.5}
+    assert timer.pop() == {}
+    assert timer.spans == [
+        Span(0.0, 1.5, "rollout", "main"),
+        Span(2.0, 2.25, "actor", "train"),
+        Span(3.0, 4.0, "rollout", "main"),
+        Span(10.0, 10.5, "optimizer", "main"),
+    ]
+
+
+def test_chrome_trace_events(tmp_path):
+    spans = [
+        Span(5.0, 5.5, "rollout", "decode"),
+        Span(5.25, 6.0, "prefix", "prefix"),
+        Span(6.0, 6.125, "opt", "decode"),
+    ]
+    trace = chrome_trace(spans)
+    meta = [e for e in trace["traceEvents"] if e["ph"] == "M"]
+    events = [e for e in trace["traceEvents"] if e["ph"] == "X"]
+    assert {(e["tid"], e["args"]["name"]) for e in meta} == {(0, "decode"), (1, "prefix")}
+    assert [(e["name"], e["ts"], e["dur"], e["tid"]) for e in events] == [
+        ("rollout", 0.0, 500000.0, 0),
+        ("prefix", 250000.0, 750000.0, 1),
+        ("opt", 1000000.0, 125000.0, 0),
+    ]
+    path = tmp_path / "trace.json"
+    write_chrome_trace(spans, path)
+    assert json.loads(path.read_text()) == trace
+    assert chrome_trace([]) == {"traceEvents": [], "displayTimeUnit": "ms"}
+
+
+def test_postfix_fields():
+    assert postfix({"reward_mean": 0.5, "accuracy": 0.25, "time/step": 2.04, "loss": 1.0}) == {
+        "reward": "0.500",
+        "acc": "0.250",
+        "s/step": "2.0",
+    }
+    assert postfix({"reward_mean": None, "time/step": 12.0}) == {"s/step": "12.0"}
+
+
+def test_progress_bar_shows_position_and_postfix():
+    out = io.StringIO()
+    bar = ProgressBar(total=10, initial=3, enabled=True, file=out)
+    bar.update({"reward_mean": 0.5, "accuracy": 0.25, "time/step": 2.0})
+    bar.close()
+    text = out.getvalue()
+    assert "4/10" in text and "reward=0.500" in text and "acc=0.250" in text and "s/step=2.0" in text
+    quiet = io.StringIO()
+    bar = ProgressBar(total=10, initial=0, enabled=False, file=quiet)
+    bar.update({"reward_mean": 0.5})
+    bar.close()
+    assert quiet.getvalue() == ""

@@ -1,0 +1,151 @@
+"""Report: table helpers against hand-computed values, PNGs from synthetic metrics, missing data."""
+
+from __future__ import annotations
+
+import pytest
+from PIL import Image
+
+from rollplex.observe.metrics import MetricsWriter
+from rollplex.observe.report import (
+    accuracy_figure,
+    keys_with_prefix,
+    make_report,
+    mean_breakdown,
+    rewards_figure,
+    series,
+    step_time_figure,
+    step_times,
+)
+
+
+def _synthetic_rows(steps: int = 12) -> list[dict]:
+    rows = []
+    for step in range(1, steps + 1):
+        row = {
+            "step": step,
+            "reward_mean": 0.1 * step,
+            "reward/accuracy": 0.05 * step,
+            "reward/format": 0.9,
+            "accuracy": min(1.0, 0.08 * step),
+            "chance_accuracy": 0.25,
+            "loss": 1.0 / step,
+            "kl": 0.001 * step,
+            "clip_fraction": 0.0,
+            "entropy": 2.0,
+            "time/rollout": 1.0,
+            "time/actor": 0.5 + 0.01 * step,
+            "time/optimizer": 0.2,
+            "time/step": 2.0,
+        }
+        if step % 4 == 0:
+            row["val_accuracy"] = 0.3 + 0.02 * step
+        rows.append(row)
+    return rows
+
+
+def _write(run_dir, rows) -> None:
+    writer = MetricsWriter(run_dir)
+    for row in rows:
+        writer.write(row)
+
+
+def test_series_skips_missing_and_null():
+    rows = [{"step": 1, "a": 1.0}, {"step": 2}, {"step": 3, "a": None}, {"step": 4, "a": 4}]
+    assert series(rows, "a") == ([1, 4], [1.0, 4.0])
+    assert series(rows, "b") == ([], [])
+
+
+def test_keys_with_prefix_first_seen_order():
+    rows = [{"step": 1, "time/b": 1, "time/step": 2}, {"step": 2, "time/a": 1, "time/b": 2}]
+    assert keys_with_prefix(rows, "time/") == ["time/b", "time/step", "time/a"]
+    assert keys_with_prefix(rows, "time/", exclude=("time/step",)) == ["time/b", "time/a"]
+
+
+def test_step_times_and_mean_breakdown_by_hand():
+    rows = [
+        {"step": 1, "time/a": 1.0, "time/b": 2.0, "time/step": 4.0},
+        {"step": 2, "time/a": 3.0, "time/step": 3.0},
+        {"step": 3, "reward_mean": 1.0},
+    ]
+    steps, table = step_times(rows)
+    assert steps == [1, 2]
+    assert table == {"a": [1.0, 3.0], "b": [2.0, 0.0], "other": [1.0, 0.0]}
+    assert mean_breakdown(table) == {"a": 2.0, "b": 1.0, "other": 0.5}
+    # phases that add up to time/step leave no "other"
+    assert step_times([{"step": 1, "time/a": 1.5, "time/step": 1.5}])[1] == {"a": [1.5]}
+
+
+def _assert_png(path, size):
+    with Image.open(path) as image:
+        assert image.format == "PNG"
+        assert image.size == size
+        image.verify()
+    with Image.open(path) as image:
+        colors = image.convert("RGB").getcolors(maxcolors=1 << 20)
+        assert colors is not None and len(colors) > 10  # something was drawn
+
+
+def test_make_report_writes_valid_pngs(tmp_path):
+    _write(tmp_path, _synthetic_rows())
+    paths = make_report(tmp_path)
+    names = ["rewards.png", "accuracy.png", "step_time.png", "training.png"]
+    assert paths == [tmp_path / "report" / name for name in names]
+    _assert_png(paths[0], (800, 450))
+    _assert_png(paths[1], (800, 450))
+    _assert_png(paths[2], (1200, 450))
+    _assert_png(paths[3], (1350, 640))  # loss, kl, clip_fraction, entropy: 3 columns x 2 rows
+
+
+def _lines(fig) -> dict:
+    return {line.get_label(): line for line in fig.axes[0].get_lines()}
+
+
+def test_reward_and_accuracy_figures_plot_the_series():
+    rows = _synthetic_rows()
+    lines = _lines(rewards_figure(rows))
+    assert list(lines) == ["reward_mean", "reward/accuracy", "reward/format"]
+    assert list(lines["reward/accuracy"].get_ydata()) == pytest.approx([0.05 * s for s in range(1, 13)])
+    lines = _lines(accuracy_figure(rows))
+    assert list(lines) == ["train accuracy", "held-out", "chance"]
+    assert list(lines["held-out"].get_xdata()) == [4, 8, 12]
+    assert list(lines["held-out"].get_ydata()) == pytest.approx([0.38, 0.46, 0.54])
+    assert lines["chance"].get_linestyle() == "--" and set(lines["chance"].get_ydata()) == {0.25}
+    assert "chance" not in _lines(accuracy_figure([{"step": 1, "accuracy": 0.5}]))
+
+
+def test_step_time_figure_stacks_phases():
+    rows = [
+        {"step": 1, "time/rollout": 1.0, "time/actor": 0.5, "time/step": 2.0},
+        {"step": 2, "time/rollout": 2.0, "time/actor": 0.25, "time/step": 2.25},
+    ]
+    bars, means = step_time_figure(rows).axes
+    rects = [v for r in bars.patches for v in (r.get_x() + r.get_width() / 2, r.get_y(), r.get_height())]
+    # rollout at the bottom, actor on top of it, then "other" = 0.5 s only in step 1
+    expected = [(1, 0, 1.0), (2, 0, 2.0), (1, 1.0, 0.5), (2, 2.0, 0.25), (1, 1.5, 0.5), (2, 2.25, 0)]
+    assert rects == pytest.approx([v for rect in expected for v in rect])
+    assert [r.get_width() for r in means.patches] == pytest.approx([1.5, 0.375, 0.25])
+    assert [t.get_text() for t in means.get_yticklabels()] == ["rollout", "actor", "other"]
+
+
+def test_missing_keys_are_skipped(tmp_path):
+    _write(tmp_path, [{"step": s, "reward_mean": 0.1 * s} for s in range(1, 4)])
+    paths = make_report(tmp_path)
+    assert paths == [tmp_path / "report" / "rewards.png"]
+    assert sorted(p.name for p in (tmp_path / "report").iterdir()) == ["rewards.png"]
+    _assert_png(paths[0], (800, 450))
+
+
+def test_only_held_out_accuracy_still_plots(tmp_path):
+    _write(
+        tmp_path,
+        [{"step": 5, "val_accuracy": 0.4}, {"step": 10, "val_accuracy": 0.6, "chance_accuracy": 0.5}],
+    )
+    assert make_report(tmp_path) == [tmp_path / "report" / "accuracy.png"]
+
+
+def test_missing_or_empty_metrics_raise(tmp_path):
+    with pytest.raises(ValueError, match=r"metrics\.jsonl"):
+        make_report(tmp_path)
+    (tmp_path / "metrics.jsonl").write_text("")
+    with pytest.raises(ValueError, match=r"metrics\.jsonl.*empty"):
+        make_report(tmp_path)

@@ -1,0 +1,208 @@
+"""Command line: parsing and dispatch to (monkeypatched) targets, error lines, ``--help``, lazy imports."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import types
+from pathlib import Path
+
+import pytest
+import torch
+
+from rollplex.cli import main, split_train_args
+from rollplex.config import Config
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _fake_module(monkeypatch, name: str, **attrs) -> types.ModuleType:
+    module = types.ModuleType(name)
+    for key, value in attrs.items():
+        setattr(module, key, value)
+    monkeypatch.setitem(sys.modules, name, module)
+    return module
+
+
+@pytest.fixture
+def paths(tmp_path):
+    model = tmp_path / "model"
+    model.mkdir()
+    train = tmp_path / "train.jsonl"
+    train.write_text("")
+    return model, train
+
+
+@pytest.fixture
+def trained(monkeypatch):
+    calls = []
+    _fake_module(monkeypatch, "rollplex.loop", train=lambda cfg, resume=False: calls.append((cfg, resume)))
+    return calls
+
+
+def test_split_train_args():
+    assert split_train_args([]) == (None, [])
+    assert split_train_args(["a.yaml"]) == ("a.yaml", [])
+    assert split_train_args(["a.yaml", "run.steps=3"]) == ("a.yaml", ["run.steps=3"])
+    assert split_train_args(["run.steps=3", "run.seed=1"]) == (None, ["run.steps=3", "run.seed=1"])
+    with pytest.raises(ValueError, match="'b.yaml'"):
+        split_train_args(["a.yaml", "b.yaml"])
+
+
+def test_train_with_config_file_and_overrides(tmp_path, paths, trained, monkeypatch):
+    model, train = paths
+    config = tmp_path / "run.yaml"
+    config.write_text(f"model:\n  path: {model}\ndata:\n  train_path: {train}\nrollout:\n  group_size: 4\n")
+    _fake_module(monkeypatch, "rollplex.defaults", default_run_config=lambda: pytest.fail("default used"))
+    assert main(["train", str(config), "rollout.top_k=3", "--resume"]) == 0
+    ((cfg, resume),) = trained
+    assert isinstance(cfg, Config) and resume is True
+    assert (cfg.rollout.group_size, cfg.rollout.top_k, cfg.model.path) == (4, 3, str(model))
+
+
+def test_train_without_config_uses_the_embedded_default(paths, trained, monkeypatch):
+    model, train = paths
+    base = {"model": {"path": str(model)}, "data": {"train_path": str(train)}, "run": {"steps": 7}}
+    _fake_module(monkeypatch, "rollplex.defaults", default_run_config=lambda: base)
+    assert main(["train", "run.seed=4"]) == 0
+    ((cfg, resume),) = trained
+    assert (cfg.run.steps, cfg.run.seed, resume) == (7, 4, False)
+
+
+def test_config_errors_print_one_line_and_exit_2(tmp_path, paths, trained, capsys):
+    model, train = paths
+    config = tmp_path / "run.yaml"
+    config.write_text(f"model:\n  path: {model}\ndata:\n  train_path: {train}\n")
+    assert main(["train", str(config), "rollout.group_size=1"]) == 2
+    err = capsys.readouterr().err
+    assert err == "rollplex: error: rollout.group_size=1 must be >= 2\n"
+    broken = tmp_path / "broken.yaml"
+    broken.write_text("run: [1,\n  2\n")
+    assert main(["train", str(broken)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("rollplex: error: invalid YAML") and err.count("\n") == 1
+    assert main(["train", str(tmp_path / "empty.yaml")]) == 2
+    assert "does not exist" in capsys.readouterr().err
+    assert trained == []
+
+
+def test_missing_required_field_is_reported(tmp_path, trained, capsys):
+    config = tmp_path / "run.yaml"
+    config.write_text("run:\n  steps: 3\n")
+    assert main(["train", str(config)]) == 2
+    assert capsys.readouterr().err == "rollplex: error: model.path is required (got '')\n"
+
+
+def test_help_config_lists_fields(capsys):
+    assert main(["train", "--help-config"]) == 0
+    out = capsys.readouterr().out
+    assert "rollout.group_size" in out and "optim.max_grad_norm" in out
+
+
+def test_data_synth_dispatch(tmp_path, monkeypatch, capsys):
+    calls = []
+
+    def generate_dataset(out, num, seed, **kwargs):
+        calls.append((out, num, seed, kwargs))
+        return types.SimpleNamespace(
+            train_json=out / "train.json",
+            val_json=out / "val.json",
+            train_counts={"a": 3, "b": 4},
+            val_counts={"a": 1},
+        )
+
+    _fake_module(monkeypatch, "rollplex.data.synth", generate_dataset=generate_dataset)
+    out = tmp_path / "synth"
+    argv = ["data", "synth", "--out", str(out), "--num", "8", "--seed", "3", "--frames", "6", "--fps", "2.5"]
+    assert main([*argv, "--val-fraction", "0.25", "--families", "color, count"]) == 0
+    assert calls == [
+        (
+            out,
+            8,
+            3,
+            {
+                "num_frames": 6,
+                "fps": 2.5,
+                "val_fraction": 0.25,
+                "families": ("color", "count"),
+                "progress": True,
+            },
+        )
+    ]
+    assert capsys.readouterr().out.splitlines() == [
+        f"train: {out / 'train.json'} (7 records)",
+        f"val: {out / 'val.json'} (1 records)",
+    ]
+    calls.clear()
+    assert main(["data", "synth", "--out", str(out), "--num", "2"]) == 0
+    assert calls == [(out, 2, 0, {"progress": True})]  # unset options keep the generator's defaults
+
+
+def test_model_init_dispatch(tmp_path, monkeypatch):
+    calls = []
+    _fake_module(monkeypatch, "rollplex.models.presets", init_checkpoint=lambda *a, **k: calls.append((a, k)))
+    assert (
+        main(
+            [
+                "model",
+                "init",
+                "--preset",
+                "tiny",
+                "--out",
+                str(tmp_path),
+                "--seed",
+                "5",
+                "--dtype",
+                "bfloat16",
+            ]
+        )
+        == 0
+    )
+    assert calls == [(("tiny", tmp_path), {"seed": 5, "dtype": torch.bfloat16})]
+    calls.clear()
+    assert main(["model", "init", "--preset", "qwen2.5-vl-7b", "--out", str(tmp_path)]) == 0
+    assert calls == [(("qwen2.5-vl-7b", tmp_path), {"seed": 0})]  # the preset's default dtype
+    with pytest.raises(SystemExit) as info:
+        main(["model", "init", "--preset", "huge", "--out", str(tmp_path)])
+    assert info.value.code == 2
+
+
+def test_report_dispatch_and_missing_component(tmp_path, monkeypatch, capsys):
+    pngs = [tmp_path / "report" / "rewards.png", tmp_path / "report" / "accuracy.png"]
+    _fake_module(
+        monkeypatch,
+        "rollplex.observe.report",
+        make_report=lambda run_dir: pngs if run_dir == tmp_path else [],
+    )
+    assert main(["report", str(tmp_path)]) == 0
+    assert capsys.readouterr().out.splitlines() == [str(p) for p in pngs]
+    monkeypatch.setitem(sys.modules, "rollplex.models.presets", None)  # a component that cannot be imported
+    with pytest.raises(ImportError):
+        main(["model", "init", "--preset", "tiny", "--out", str(tmp_path)])
+    assert main(["report", str(tmp_path)]) == 0
+
+
+def test_report_error_names_the_metrics_file(tmp_path, capsys):
+    assert main(["report", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("rollplex: error: ") and "metrics.jsonl" in err and err.count("\n") == 1
+
+
+def _run(*args: str, cwd: Path = REPO) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, *args], cwd=cwd, capture_output=True, text=True, timeout=120, check=False
+    )
+
+
+def test_help_is_lazy_and_module_entry_point_works(tmp_path):
+    probe = "import sys, rollplex.cli; print(sorted(m for m in ('torch', 'transformers', 'matplotlib') if m in sys.modules))"
+    assert _run("-c", probe).stdout.strip() == "[]"
+    result = _run("-m", "rollplex", "--help")
+    assert result.returncode == 0
+    for command in ("train", "data", "model", "report"):
+        assert command in result.stdout
+    config = tmp_path / "run.yaml"
+    config.write_text("rollout:\n  top_p: 2\n")
+    result = _run("-m", "rollplex", "train", str(config))
+    assert result.returncode == 2
+    assert result.stderr == "rollplex: error: rollout.top_p=2.0 must be <= 1\n"

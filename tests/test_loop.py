@@ -1,0 +1,174 @@
+"""End-to-end ``train`` on the tiny checkpoint: resume is bit-for-bit, bad samples are skipped and
+counted, an unusable dataset stops with a clear error, and the run's artefacts are complete."""
+
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from rollplex.config import load_config
+from rollplex.data.records import DatasetError
+from rollplex.data.synth import generate_dataset
+from rollplex.loop import train
+from rollplex.models.presets import init_checkpoint
+
+
+@pytest.fixture(scope="module")
+def assets(tmp_path_factory):
+    root = tmp_path_factory.mktemp("assets")
+    model = init_checkpoint("tiny", root / "model", seed=0)
+    data = root / "data"
+    generate_dataset(
+        data, 16, 0, width=56, height=56, num_frames=8, fps=4.0, val_fraction=0.25, families=("color",)
+    )
+    return model, data
+
+
+def _config(assets, out: Path, steps: int, **extra):
+    model, data = assets
+    overrides = {
+        "run.out_dir": str(out),
+        "run.steps": steps,
+        "run.save_every": 2,
+        "run.progress": False,
+        "model.path": str(model),
+        "data.train_path": str(data / "train.json"),
+        "data.val_path": str(data / "val.json"),
+        "data.template": "answer_only",
+        "data.video_min_pixels": 3136,
+        "data.video_max_pixels": 3136,
+        "rollout.group_size": 2,
+        "rollout.prompts_per_step": 2,
+        "rollout.max_response_tokens": 4,
+        "reward.functions": "[answer_accuracy, answer_format]",
+        "optim.lr": 1e-3,
+        "eval.every": 2,
+        "eval.num_prompts": 2,
+    }
+    overrides.update(extra)
+    return load_config(None, [f"{k}={v}" for k, v in overrides.items()])
+
+
+def _weights(run_dir: Path) -> dict[str, torch.Tensor]:
+    latest = (run_dir / "checkpoints" / "latest").read_text().strip()
+    return load_file(run_dir / "checkpoints" / latest / "hf" / "model.safetensors")
+
+
+def _metrics(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_resume_is_bit_for_bit(assets, tmp_path):
+    """4 steps == 2 steps + resume + 2 steps (CPU, float32): same weights, same metrics."""
+    straight = train(_config(assets, tmp_path / "straight", 4))
+    split = train(_config(assets, tmp_path / "split", 2))
+    train(_config(assets, split, 4), resume=True)
+    a, b = _weights(straight), _weights(split)
+    assert a.keys() == b.keys()
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    ignore = lambda row: {k: v for k, v in row.items() if not k.startswith("time/")}  # noqa: E731
+    assert [ignore(r) for r in _metrics(straight)] == [ignore(r) for r in _metrics(split)]
+
+
+def test_run_artefacts(assets, tmp_path):
+    run = train(_config(assets, tmp_path / "run", 2))
+    rows = _metrics(run)
+    assert rows[0]["step"] == 0 and "val_accuracy" in rows[0]
+    step = rows[-1]
+    for key in (
+        "reward_mean",
+        "accuracy",
+        "format_rate",
+        "kl",
+        "loss",
+        "clip_fraction",
+        "entropy",
+        "response_length",
+        "grad_norm",
+        "skipped_samples",
+        "time/rollout",
+        "time/reference",
+        "time/actor",
+        "time/optimizer",
+        "time/step",
+        "val_accuracy",
+        "logprob_diff_max",
+    ):
+        assert key in step, key
+    assert (run / "config.yaml").exists()
+    from transformers import AutoProcessor, Qwen2_5_VLForConditionalGeneration
+
+    latest = run / "checkpoints" / (run / "checkpoints" / "latest").read_text().strip() / "hf"
+    Qwen2_5_VLForConditionalGeneration.from_pretrained(latest)
+    AutoProcessor.from_pretrained(latest)
+
+
+def _write_records(path: Path, rows: list[dict]) -> None:
+    path.write_text(json.dumps(rows))
+
+
+def test_bad_samples_are_skipped_and_counted(assets, tmp_path, caplog):
+    _, data = assets
+    rows = json.loads((data / "train.json").read_text())
+    broken = dict(rows[0], problem_id=9001, path="./CLEVRER/synth/missing.mp4")
+    corrupt_file = data / "CLEVRER" / "synth" / "corrupt.mp4"
+    corrupt_file.write_bytes(b"not a video at all")
+    corrupt = dict(rows[1], problem_id=9002, path="./CLEVRER/synth/corrupt.mp4")
+    too_long = dict(rows[2], problem_id=9003, problem="why " * 400)
+    malformed = {"problem_id": 9004, "problem": "no other fields"}
+    mixed = tmp_path / "train.json"
+    _write_records(mixed, [broken, corrupt, too_long, malformed, *rows[3:]])
+    cfg = _config(
+        assets,
+        tmp_path / "run",
+        2,
+        **{
+            "data.train_path": str(mixed),
+            "data.data_root": str(data),
+            "data.max_prompt_tokens": 400,
+            "eval.every": 0,
+            "data.val_path": "",
+        },
+    )
+    with caplog.at_level(logging.WARNING):
+        run = train(cfg)
+    assert _metrics(run)[-1]["skipped_samples"] >= 1
+    log = caplog.text
+    for problem_id in (9001, 9002, 9003):
+        if f"problem_id {problem_id}" in log:
+            line = next(x for x in log.splitlines() if f"problem_id {problem_id}" in x)
+            assert "skipping" in line
+    assert "9004" in log  # the malformed record is named
+
+
+def test_nothing_usable_stops_with_a_clear_error(assets, tmp_path):
+    _, data = assets
+    rows = json.loads((data / "train.json").read_text())[:2]
+    bad = [dict(r, path="./CLEVRER/synth/none.mp4") for r in rows]
+    path = tmp_path / "train.json"
+    _write_records(path, bad)
+    cfg = _config(
+        assets,
+        tmp_path / "run",
+        1,
+        **{"data.train_path": str(path), "data.data_root": str(data), "eval.every": 0, "data.val_path": ""},
+    )
+    with pytest.raises(DatasetError, match="no usable sample"):
+        train(cfg)
+
+
+def test_unreadable_dataset_stops_with_a_clear_error(assets, tmp_path):
+    path = tmp_path / "train.json"
+    path.write_text("{ not json")
+    cfg = _config(
+        assets, tmp_path / "run", 1, **{"data.train_path": str(path), "eval.every": 0, "data.val_path": ""}
+    )
+    with pytest.raises(DatasetError, match=str(path.name)):
+        train(cfg)
+    shutil.rmtree(tmp_path / "run", ignore_errors=True)
