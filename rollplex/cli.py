@@ -108,6 +108,8 @@ def _bench_prefix(args: argparse.Namespace) -> None:
     options = {name: getattr(args, name) for name in fields if getattr(args, name) is not None}
     if args.suffix_group_sizes is not None:
         options["suffix_group_sizes"] = tuple(int(x) for x in args.suffix_group_sizes.split(","))
+    if args.parts is not None:
+        options["parts"] = tuple(part.strip() for part in args.parts.split(","))
     run_prefix_bench(PrefixBenchConfig(**options), args.out)
 
 
@@ -125,6 +127,7 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--repeats", type=int, help="timed repeats after one warm-up (default 2)")
     p.add_argument("--suffix-group-sizes", help="N values of the suffix-memory sweep (default 4,8,16)")
     p.add_argument("--dtype", choices=("bfloat16", "float32"), help="model dtype (default bfloat16)")
+    p.add_argument("--parts", help="comma-separated subset of compare,suffix-memory (default both)")
     p.add_argument("--out", type=Path, help="write the results as JSON here")
     p.set_defaults(handler=_bench_prefix)
 

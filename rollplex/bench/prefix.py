@@ -52,6 +52,7 @@ class PrefixBenchConfig:
     repeats: int = 1
     suffix_group_sizes: tuple[int, ...] = (4, 8, 16)
     dtype: str = "bfloat16"
+    parts: tuple[str, ...] = ("compare", "suffix-memory")
 
 
 @dataclass
@@ -144,6 +145,20 @@ def run_prefix_bench(cfg: PrefixBenchConfig, out: Path | None = None) -> PrefixB
         *text_id_range(model), (cfg.groups * n, r), generator=torch.Generator().manual_seed(1)
     ).to(device)
     result = PrefixBenchResult(config=asdict(cfg), prompt_tokens=shape.length)
+    if "compare" in cfg.parts:
+        _compare_roles(model, prompts, responses, cfg, banned, device, result)
+    if "suffix-memory" in cfg.parts:
+        result.suffix_memory = _suffix_memory(model, prompts[0], cfg, banned, device)
+    _print(result)
+    if out is not None:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(asdict(result), indent=2))
+    return result
+
+
+def _compare_roles(model, prompts, responses, cfg, banned, device, result: PrefixBenchResult) -> None:
+    """Reference scoring and actor forward + backward: rollplex vs the naive ways (fills result.rows)."""
+    n = cfg.group_size
     for role, attached in (("reference", False), ("actor", True)):
         grad = torch.enable_grad() if attached else torch.no_grad()
         with grad:
@@ -187,12 +202,6 @@ def run_prefix_bench(cfg: PrefixBenchConfig, out: Path | None = None) -> PrefixB
         if role == "reference" and seq[2] is not None:
             diff = (ours[2].float() - seq[2].float()).abs()
             result.logprob_agreement = {"max_abs": float(diff.max()), "mean_abs": float(diff.mean())}
-    result.suffix_memory = _suffix_memory(model, prompts[0], cfg, banned, device)
-    _print(result)
-    if out is not None:
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps(asdict(result), indent=2))
-    return result
 
 
 def _suffix_memory(model, prompt, cfg, banned, device) -> dict:
@@ -221,10 +230,11 @@ def _nothing() -> None:
 
 def _print(result: PrefixBenchResult) -> None:
     print(f"prompt tokens {result.prompt_tokens}, config {result.config}")
-    keys = list(next(iter(result.rows.values())).keys())
-    print(f"{'role':10} " + " ".join(f"{k:>22}" for k in keys))
-    for role, row in result.rows.items():
-        print(f"{role:10} " + " ".join(f"{row[k]:22.3f}" for k in keys))
+    if result.rows:
+        keys = list(next(iter(result.rows.values())).keys())
+        print(f"{'role':10} " + " ".join(f"{k:>22}" for k in keys))
+        for role, row in result.rows.items():
+            print(f"{role:10} " + " ".join(f"{row[k]:22.3f}" for k in keys))
     print(
         "suffix pass peak memory by N:", {k: round(v["peak_gib"], 2) for k, v in result.suffix_memory.items()}
     )

@@ -300,10 +300,13 @@ def _multiple_choice(
     return Question(text, "multiple choice", options, _LETTERS[ordered.index(correct)])
 
 
-def sample_scene(family: str, rng: np.random.Generator, *, width: int, height: int, num_frames: int) -> Scene:
+def sample_scene(
+    family: str, rng: np.random.Generator, *, width: int, height: int, num_frames: int, dominant_scale: float = 1.0
+) -> Scene:
     """Random scene suited to ``family`` (sizes relative to min(width, height), speeds to the clip length).
 
-    ``color`` and ``direction`` scenes have one dominant body (radius 0.17-0.20 of the short side)
+    ``color`` and ``direction`` scenes have one dominant body (radius 0.17-0.20 of the short side, times
+    ``dominant_scale``)
     and 1-3 small ones (0.06-0.075); ``count`` scenes have 1-5 bodies of 0.06-0.10; ``collision``
     scenes 2-3 bodies of 0.06-0.09 moving fast enough to meet. ``direction`` scenes are resampled
     until the answer is clear (module docstring).
@@ -316,7 +319,7 @@ def sample_scene(family: str, rng: np.random.Generator, *, width: int, height: i
     for _ in range(_MAX_TRIES):
         if family in ("color", "direction"):
             small = rng.uniform(0.06, 0.075, rng.integers(1, 4)) * short
-            radii, travel = [rng.uniform(0.17, 0.20) * short, *small], (0.15, 0.5)
+            radii, travel = [rng.uniform(0.17, 0.20) * dominant_scale * short, *small], (0.15, 0.5)
         elif family == "count":
             radii, travel = list(rng.uniform(0.06, 0.10, rng.integers(1, 6)) * short), (0.2, 0.8)
         elif family == "collision":
@@ -382,6 +385,7 @@ def generate_dataset(
     families: tuple[str, ...] = FAMILIES,
     shuffle_options: bool = False,
     anti_alias: bool = True,
+    dominant_scale: float = 1.0,
     progress: bool = False,
 ) -> SynthSummary:
     """Write ``num`` synthetic Video-R1 records with MP4 media under ``out`` (the data root).
@@ -398,6 +402,8 @@ def generate_dataset(
         num_frames, fps: frames per clip and their rate in frames per second.
         shuffle_options: permute multiple-choice options per record instead of the canonical order.
         anti_alias: soft shape edges (see :func:`render`).
+        dominant_scale: size factor of the dominant body of ``color`` and ``direction`` scenes (1.0 =
+            radius 0.17-0.20 of the short side; the embedded default run uses a larger body).
         progress: show a tqdm progress bar.
 
     Raises:
@@ -413,7 +419,9 @@ def generate_dataset(
     for index in tqdm(range(num), desc="synth", disable=not progress):
         family = families[index % len(families)]
         rng = np.random.default_rng([seed, index])
-        scene = sample_scene(family, rng, width=width, height=height, num_frames=num_frames)
+        scene = sample_scene(
+            family, rng, width=width, height=height, num_frames=num_frames, dominant_scale=dominant_scale
+        )
         relative = f"{VIDEO_FOLDER}/video_{index:06d}.mp4"
         write_mp4(render(scene, width, height, anti_alias=anti_alias), out / relative, fps)
         question = make_question(family, scene, rng, shuffle_options)
