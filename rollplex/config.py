@@ -133,7 +133,10 @@ class AlgoConfig:
     )
     mini_batches: int = _field(1, "optimizer updates per rollout batch", ge=1)
     micro_batch_groups: int = _field(
-        0, "groups per gradient-accumulation micro-batch; 0 = whole mini-batch", ge=0
+        1,
+        "groups per gradient-accumulation micro-batch (each keeps its prefix graph until its backward); "
+        "0 = whole mini-batch",
+        ge=0,
     )
 
 

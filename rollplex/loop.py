@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import random
 import time
 from dataclasses import dataclass, replace
@@ -125,17 +126,22 @@ def build_run(cfg: Config) -> Run:
     dtype = resolve_dtype(cfg.run, device.type)
     seed_everything(cfg.run.seed)
     if cfg.run.deterministic:
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # cuBLAS refuses determinism without it
         torch.use_deterministic_algorithms(True)
     processor = AutoProcessor.from_pretrained(cfg.model.path)
     actor = load_model(cfg.model.path, dtype, device, trainable=True)
     if cfg.model.freeze_vision:
         actor.model.visual.requires_grad_(False)
     if cfg.model.gradient_checkpointing:
+        # transformers checkpoints a layer only in training mode; Qwen2.5-VL has no active dropout.
         actor.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        actor.train(True)
     reference = load_model(cfg.model.path, dtype, device, trainable=False) if cfg.algo.kl_coef > 0 else None
     banned, eos_ids, pad = special_ids(actor, processor.tokenizer, cfg.model.path)
     r = cfg.rollout
-    sampling = SamplingParams(r.temperature, r.top_p, r.top_k, r.max_response_tokens, eos_ids, pad, banned)
+    sampling = SamplingParams(
+        r.temperature, r.top_p, r.top_k, r.max_response_tokens, eos_ids, pad, banned.to(device)
+    )
     o = cfg.optim
     params = [p for p in actor.parameters() if p.requires_grad]
     optimizer = MasterWeightAdamW(
@@ -165,10 +171,12 @@ def evaluate(run: Run) -> tuple[float, float | None]:
 
     prompts = run.val.all_prompts(run.cfg.eval.num_prompts)
     greedy = replace(run.roles.sampling, temperature=run.cfg.eval.temperature)
+    # Its own generator: evaluation never moves the training sampler's random stream.
+    roles = replace(run.roles, generator=torch.Generator(device=run.device).manual_seed(run.cfg.run.seed + 1))
     correct = []
     for start in range(0, len(prompts), run.cfg.rollout.prompts_per_step):
         chunk = prompts[start : start + run.cfg.rollout.prompts_per_step]
-        rollout = rollout_phase(run.roles, chunk, 1, greedy)
+        rollout = rollout_phase(roles, chunk, 1, greedy)
         rewards = compute_rewards(
             rollout.texts, [p.record for p in chunk], list(run.cfg.reward.functions), None
         )
@@ -288,6 +296,7 @@ def train(cfg: Config, resume: bool = False) -> Path:
         metrics.write({"step": step, **first_eval})
     timer = PhaseTimer(sync=torch.cuda.synchronize if run.device.type == "cuda" else None)
     bar = ProgressBar(total=cfg.run.steps, initial=step, enabled=cfg.run.progress)
+    record: dict = {}
     while step < cfg.run.steps:
         record = _train_step(run, step, timer)
         step += 1
@@ -305,7 +314,7 @@ def train(cfg: Config, resume: bool = False) -> Path:
                 keep=cfg.run.keep_checkpoints,
             )
     bar.close()
-    _summary(run, first_eval, record if cfg.run.steps > 0 else {}, time.perf_counter() - started)
+    _summary(run, first_eval, record, time.perf_counter() - started)
     return run.run_dir
 
 

@@ -40,6 +40,7 @@ class MasterWeightAdamW:
         if self.shadow:
             for p, m in zip(self.params, self.masters):
                 m.grad = None if p.grad is None else p.grad.float()
+                p.grad = None  # one parameter at a time: never both full gradient copies at once
         norm = torch.nn.utils.clip_grad_norm_(
             self.masters, max_grad_norm if max_grad_norm > 0 else float("inf")
         )
@@ -65,7 +66,7 @@ class MasterWeightAdamW:
     def state_dict(self) -> dict:
         state = {"inner": self.inner.state_dict()}
         if self.shadow:
-            state["masters"] = [m.detach().clone() for m in self.masters]
+            state["masters"] = [m.detach().cpu() for m in self.masters]
         return state
 
     def load_state_dict(self, state: dict) -> None:

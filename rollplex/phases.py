@@ -95,7 +95,7 @@ def score(
             temperature=temperature,
             banned_ids=banned_ids,
         )
-    return logprobs * rollout.response_mask()
+    return torch.where(rollout.response_mask(), logprobs, 0.0)
 
 
 def reference_phase(roles: Roles, scored: ScoredBatch) -> ScoredBatch:
@@ -181,18 +181,20 @@ def actor_backward(
             horizon=cfg.rollout.max_response_tokens,
         )
         loss.backward()
-        _accumulate(stats, loss, kl, clipped, entropy, logprobs.detach(), rollout.logprobs[rows], m)
+        # The rollout-vs-trainer gap compares log-probs under θ_k (the behaviour log-probs when a previous
+        # mini-batch has already updated the actor).
+        _accumulate(stats, loss, kl, clipped, entropy, old.detach(), rollout.logprobs[rows], m)
     return stats
 
 
 def _accumulate(stats: ActorStats, loss, kl, clipped, entropy, logprobs, rollout_logprobs, mask) -> None:
     """Add one micro-batch's masked sums to ``stats``."""
     m = mask.float()
-    diff = (logprobs - rollout_logprobs).abs() * m
+    diff = torch.where(mask, (logprobs - rollout_logprobs).abs(), 0.0)
     stats.loss += float(loss.detach())
-    stats.kl += float((kl.detach() * m).sum())
-    stats.clip_fraction += float((clipped.float() * m).sum())
-    stats.entropy += float((entropy * m).sum())
+    stats.kl += float(torch.where(mask, kl.detach(), 0.0).sum())
+    stats.clip_fraction += float((clipped & mask).sum())
+    stats.entropy += float(torch.where(mask, entropy, 0.0).sum())
     stats.logprob_diff_max = max(stats.logprob_diff_max, float(diff.max()) if diff.numel() else 0.0)
     stats.logprob_diff_sum += float(diff.sum())
     stats.tokens += int(m.sum())

@@ -44,7 +44,7 @@ SPEC_DEFAULTS = {
     },
     "algo": {
         "normalize_std": True, "clip_low": 0.2, "clip_high": 0.28, "kl_coef": 0.04, "kl_estimator": "k3",
-        "kl_log_ratio_bound": 20.0, "loss_agg": "token-mean", "mini_batches": 1, "micro_batch_groups": 0,
+        "kl_log_ratio_bound": 20.0, "loss_agg": "token-mean", "mini_batches": 1, "micro_batch_groups": 1,
     },
     "reward": {"functions": ["accuracy", "format"], "weights": []},
     "optim": {

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from PIL import Image
 
 from rollplex.data.prompts import chat_messages
 from rollplex.data.records import media_path
@@ -51,7 +52,7 @@ class PromptBuilder:
             if record.data_type == "video":
                 return read_video(path, self.video)
             return read_image(path, self.image)
-        except (MediaError, OSError) as err:
+        except (MediaError, OSError, ValueError, Image.DecompressionBombError) as err:
             raise SkipSample(f"unreadable {record.data_type} {record.path}: {err}") from err
 
     def build(self, record: Record) -> Prompt:
@@ -62,7 +63,12 @@ class PromptBuilder:
                 the needed length and the budget).
         """
         visual = self.read_media(record)
-        return self.encode(record, visual)
+        try:
+            return self.encode(record, visual)
+        except SkipSample:
+            raise
+        except ValueError as err:  # processor or placeholder/grid mismatch (B06): skip, never crash
+            raise SkipSample(f"cannot encode {record.path}: {err}") from err
 
     def encode(self, record: Record, visual: VisualInput) -> Prompt:
         """Tokenise ``record`` with already decoded media (see build)."""

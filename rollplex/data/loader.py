@@ -28,7 +28,8 @@ class PromptSource:
         builder: turns a record into a Prompt (raises SkipSample for bad samples).
         batch_size: prompts per batch (the number of GRPO groups G).
         seed: permutation seed; shuffle: permute each epoch (else file order).
-        cache_size: built prompts kept in memory (0 = none), keyed by record index.
+        cache_bytes: host memory for built prompts kept between epochs (LRU by record index; 0 = none).
+            A prompt of real video costs tens of MB of float pixel rows, so the cap is in bytes.
     """
 
     def __init__(
@@ -39,10 +40,11 @@ class PromptSource:
         *,
         seed: int,
         shuffle: bool,
-        cache_size: int = 4096,
+        cache_bytes: int = 2 * 2**30,
     ):
         self.records, self.builder, self.batch_size = records, builder, batch_size
-        self.seed, self.shuffle, self.cache_size = seed, shuffle, cache_size
+        self.seed, self.shuffle, self.cache_bytes = seed, shuffle, cache_bytes
+        self._cached_bytes = 0
         self.epoch, self.index = 0, 0
         self.skipped: dict[int, str] = {}
         self._cache: OrderedDict[int, Prompt] = OrderedDict()
@@ -66,10 +68,13 @@ class PromptSource:
             log.warning("skipping record %d (problem_id %s): %s", i, record.problem_id, err)
             self.skipped[i] = str(err)
             return None
-        if self.cache_size:
+        size = _nbytes(prompt)
+        if size <= self.cache_bytes:
             self._cache[i] = prompt
-            if len(self._cache) > self.cache_size:
-                self._cache.popitem(last=False)
+            self._cached_bytes += size
+            while self._cached_bytes > self.cache_bytes:
+                _, evicted = self._cache.popitem(last=False)
+                self._cached_bytes -= _nbytes(evicted)
         return prompt
 
     def next_batch(self) -> list[Prompt]:
@@ -79,7 +84,7 @@ class PromptSource:
             DatasetError: no record of the dataset can be used.
         """
         batch: list[Prompt] = []
-        order, misses = self._order(self.epoch), 0
+        order = self._order(self.epoch)
         while len(batch) < self.batch_size:
             if self.index >= len(order):
                 self.epoch, self.index = self.epoch + 1, 0
@@ -87,7 +92,6 @@ class PromptSource:
             prompt = self._prompt(order[self.index])
             self.index += 1
             if prompt is None:
-                misses += 1
                 if len(self.skipped) >= len(self.records):
                     raise DatasetError(f"no usable sample left: all {len(self.records)} records were skipped")
                 continue
@@ -112,3 +116,8 @@ class PromptSource:
     def load_state_dict(self, state: dict) -> None:
         self.epoch, self.index = int(state["epoch"]), int(state["index"])
         self.skipped = {int(k): v for k, v in state["skipped"].items()}
+
+
+def _nbytes(prompt: Prompt) -> int:
+    tensors = (prompt.input_ids, prompt.position_ids, prompt.pixel_values, prompt.pixel_values_videos)
+    return sum(t.numel() * t.element_size() for t in tensors if t is not None)

@@ -301,7 +301,13 @@ def _multiple_choice(
 
 
 def sample_scene(
-    family: str, rng: np.random.Generator, *, width: int, height: int, num_frames: int, dominant_scale: float = 1.0
+    family: str,
+    rng: np.random.Generator,
+    *,
+    width: int,
+    height: int,
+    num_frames: int,
+    dominant_scale: float = 1.0,
 ) -> Scene:
     """Random scene suited to ``family`` (sizes relative to min(width, height), speeds to the clip length).
 

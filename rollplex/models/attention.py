@@ -44,15 +44,18 @@ class SuffixPlan:
         prefix_keys, prefix_values: per layer [G, Hkv, P_max, D].
         prefix_lens: int64 [G]; keys at index >= prefix_lens[g] are padding.
         group_size: N; query row b belongs to group b // N.
-        block_mask: a flex_attention BlockMask for the fused path (see ``suffix_block_mask``), or None
-            for the dense path.
+        backend: "dense" (exact reference, any device), "sdpa" (one masked SDPA call per layer over
+            [boundary KV ; own keys], memory-efficient kernels on CUDA) or "flex" (flex_attention).
+        mask: the backend's mask — None (dense), bool [G, 1, N·R, P_max + N·R] (sdpa, see
+            ``suffix_bool_mask``) or a flex BlockMask (``suffix_block_mask``).
     """
 
     prefix_keys: list[torch.Tensor]
     prefix_values: list[torch.Tensor]
     prefix_lens: torch.Tensor
     group_size: int
-    block_mask: object | None = None
+    backend: str = "dense"
+    mask: object | None = None
 
 
 @dataclass
@@ -98,7 +101,9 @@ def rollplex_attention(module, query, key, value, attention_mask, scaling=None, 
         own_v = plan.cache_values[layer][:, :, : plan.step + 1]
         out = shared_prefix_attention(query, own_k, own_v, plan, layer, scaling, causal_offset=plan.step)
         return out, None
-    if plan.block_mask is not None:
+    if plan.backend == "sdpa":
+        return sdpa_shared_prefix_attention(query, key, value, plan, layer, scaling), None
+    if plan.backend == "flex":
         return flex_shared_prefix_attention(query, key, value, plan, layer, scaling), None
     return shared_prefix_attention(query, key, value, plan, layer, scaling, causal_offset=0), None
 
@@ -178,6 +183,59 @@ def suffix_block_mask(prefix_lens: torch.Tensor, p_max: int, group_size: int, le
     return create_block_mask(mask_mod, lens.shape[0], None, n_r, p_max + n_r, device=lens.device)
 
 
+def _fold(x: torch.Tensor, groups: int, n: int) -> torch.Tensor:
+    """[G·N, heads, R, D] → [G, heads, N·R, D]: the N suffixes of a group as one sequence."""
+    _, heads, r, d = x.shape
+    return x.reshape(groups, n, heads, r, d).permute(0, 2, 1, 3, 4).reshape(groups, heads, n * r, d)
+
+
+def _unfold(x: torch.Tensor, n: int, r: int) -> torch.Tensor:
+    """[G, H, N·R, D] → [G·N, R, H, D]."""
+    g, h, _, d = x.shape
+    return x.reshape(g, h, n, r, d).permute(0, 2, 3, 1, 4).reshape(g * n, r, h, d)
+
+
+def suffix_bool_mask(prefix_lens: torch.Tensor, p_max: int, group_size: int, length: int) -> torch.Tensor:
+    """bool [G, 1, N·R, P_max + N·R], True where query (n, r) of group g may attend: valid prefix keys
+    (index < prefix_lens[g]) and keys (n, 0..r) of its own suffix."""
+    device = prefix_lens.device
+    q = torch.arange(group_size * length, device=device)
+    kv = torch.arange(p_max + group_size * length, device=device)
+    j = kv - p_max
+    own = (
+        (j[None, :] >= 0)
+        & (j[None, :] // length == q[:, None] // length)
+        & (j[None, :] % length <= q[:, None] % length)
+    )
+    prefix = (kv[None, :] < prefix_lens[:, None]) & (kv[None, :] < p_max)
+    return (own[None, :, :] | prefix[:, None, :])[:, None]
+
+
+def sdpa_shared_prefix_attention(query, own_keys, own_values, plan: SuffixPlan, layer: int, scaling):
+    """Suffix attention as one masked SDPA call per layer: per group, the N suffixes form one query
+    sequence of N·R tokens against [boundary KV ; N·R own keys] with ``suffix_bool_mask``. The boundary
+    KV is concatenated once per group (never N times); key/value heads are repeated to the query heads so
+    CUDA's memory-efficient kernel (which takes arbitrary masks, with backward) is used.
+
+    Args:
+        query: [B, H, R, D]; own_keys/own_values: [B, Hkv, R, D].
+
+    Returns:
+        [B, R, H, D].
+    """
+    n = plan.group_size
+    b, h, r, _ = query.shape
+    g, hkv = b // n, own_keys.shape[1]
+    keys = torch.cat([plan.prefix_keys[layer], _fold(own_keys, g, n)], dim=2).repeat_interleave(
+        h // hkv, dim=1
+    )
+    values = torch.cat([plan.prefix_values[layer], _fold(own_values, g, n)], dim=2).repeat_interleave(
+        h // hkv, dim=1
+    )
+    out = F.scaled_dot_product_attention(_fold(query, g, n), keys, values, attn_mask=plan.mask, scale=scaling)
+    return _unfold(out, n, r)
+
+
 def flex_shared_prefix_attention(query, own_keys, own_values, plan: SuffixPlan, layer: int, scaling):
     """Fused suffix attention with flex_attention: one call per layer for all groups.
 
@@ -192,16 +250,12 @@ def flex_shared_prefix_attention(query, own_keys, own_values, plan: SuffixPlan, 
         [B, R, H, D].
     """
     n = plan.group_size
-    b, h, r, d = query.shape
-    g, hkv = b // n, own_keys.shape[1]
-
-    def fold(x, heads):
-        return x.reshape(g, n, heads, r, d).permute(0, 2, 1, 3, 4).reshape(g, heads, n * r, d)
-
-    keys = torch.cat([plan.prefix_keys[layer], fold(own_keys, hkv)], dim=2)
-    values = torch.cat([plan.prefix_values[layer], fold(own_values, hkv)], dim=2)
-    out = _flex()(fold(query, h), keys, values, block_mask=plan.block_mask, scale=scaling, enable_gqa=True)
-    return out.reshape(g, h, n, r, d).permute(0, 2, 3, 1, 4).reshape(b, r, h, d)
+    b, h, r, _ = query.shape
+    g = b // n
+    keys = torch.cat([plan.prefix_keys[layer], _fold(own_keys, g, n)], dim=2)
+    values = torch.cat([plan.prefix_values[layer], _fold(own_values, g, n)], dim=2)
+    out = _flex()(_fold(query, g, n), keys, values, block_mask=plan.mask, scale=scaling, enable_gqa=True)
+    return _unfold(out, n, r)
 
 
 def register() -> None:

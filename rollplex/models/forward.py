@@ -27,6 +27,7 @@ from rollplex.models.attention import (
     SuffixPlan,
     register,
     suffix_block_mask,
+    suffix_bool_mask,
 )
 from rollplex.models.positions import response_positions
 from rollplex.rollout.sampler import entropy as entropy_of
@@ -172,10 +173,11 @@ def suffix_logprobs(
     if length == 1:
         ent = entropy_of(first_lp.detach())[:, None] if with_entropy else None
         return first, ent
-    mask = None
-    if use_flex(responses.device):
-        mask = suffix_block_mask(prefix.prompt_lens, prefix.keys[0].shape[2], group_size, length - 1)
-    plan = SuffixPlan(prefix.keys, prefix.values, prefix.prompt_lens, group_size, mask)
+    backend = suffix_backend(responses.device)
+    plan = SuffixPlan(prefix.keys, prefix.values, prefix.prompt_lens, group_size, backend)
+    if backend != "dense":
+        build = suffix_bool_mask if backend == "sdpa" else suffix_block_mask
+        plan.mask = build(prefix.prompt_lens, prefix.keys[0].shape[2], group_size, length - 1)
     embeds = lm.embed_tokens(responses[:, :-1])
     positions = response_positions(prefix.next_position, length - 1, group_size)
     hidden = _decoder(model, embeds, positions, plan)
@@ -191,9 +193,20 @@ def suffix_logprobs(
 LOGIT_CHUNK_ELEMENTS = 2**28  # logits computed at a time (1 GiB in fp32), per chunk of rows
 
 
-def use_flex(device: torch.device) -> bool:
-    """Fused flex_attention suffixes on CUDA (the dense reference path elsewhere: no CPU backward)."""
-    return device.type == "cuda" and os.environ.get("ROLLPLEX_SUFFIX_ATTENTION", "flex") == "flex"
+SUFFIX_BACKENDS = ("dense", "sdpa", "flex")
+
+
+def suffix_backend(device: torch.device) -> str:
+    """Suffix attention backend: ``$ROLLPLEX_SUFFIX_ATTENTION`` if set (dense | sdpa | flex), else
+    masked SDPA on CUDA and the dense reference path on the CPU (flex_attention has no CPU backward).
+
+    Raises:
+        ValueError: an unknown backend name.
+    """
+    name = os.environ.get("ROLLPLEX_SUFFIX_ATTENTION", "sdpa" if device.type == "cuda" else "dense")
+    if name not in SUFFIX_BACKENDS:
+        raise ValueError(f"ROLLPLEX_SUFFIX_ATTENTION={name!r}: expected one of {SUFFIX_BACKENDS}")
+    return name
 
 
 def _row_chunks(hidden: torch.Tensor, vocab: int) -> list[slice]:

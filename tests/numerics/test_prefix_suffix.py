@@ -8,6 +8,7 @@ consecutive calls with different layouts (B01).
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from rollplex.models.forward import prefix_forward, suffix_logprobs
@@ -36,7 +37,12 @@ def _oracle_rows(oracle, prompts, responses, lens, banned=BANNED):
     ]
 
 
-def test_suffix_logprobs_match_full_sequence(models):
+BACKENDS = pytest.mark.parametrize("backend", ["dense", "sdpa"])
+
+
+@BACKENDS
+def test_suffix_logprobs_match_full_sequence(models, backend, monkeypatch):
+    monkeypatch.setenv("ROLLPLEX_SUFFIX_ATTENTION", backend)
     model, oracle = models
     prompts, responses, lens = _batch()
     prefix = prefix_forward(model, prompts, temperature=T, banned_ids=BANNED, attached=False)
@@ -110,7 +116,9 @@ def _check_gradients(model, oracle, trainable_vision: bool):
     return mine
 
 
-def test_gradients_match_full_sequence_including_vision(models):
+@BACKENDS
+def test_gradients_match_full_sequence_including_vision(models, backend, monkeypatch):
+    monkeypatch.setenv("ROLLPLEX_SUFFIX_ATTENTION", backend)
     mine = _check_gradients(*models, trainable_vision=True)
     assert any(n.startswith("model.visual.blocks.0") for n in mine)
     assert any(n.startswith("model.visual.merger") for n in mine)
@@ -135,3 +143,26 @@ def test_step0_reference_equals_actor(models):
     act = prefix_forward(model, prompts, temperature=T, banned_ids=BANNED, attached=True)
     act_lp, _ = suffix_logprobs(model, act, responses, group_size=N, temperature=T, banned_ids=BANNED)
     assert torch.equal(ref_lp, act_lp.detach())
+
+
+def test_gradient_checkpointing_changes_no_gradient(models):
+    """Activation checkpointing (non-reentrant, as `model.gradient_checkpointing` enables) recomputes the
+    prefix in backward: every gradient, vision included, is the same as without it."""
+    import copy
+
+    model = models[0]
+    ckpt = copy.deepcopy(model)
+    ckpt.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    ckpt.train(True)
+    prompts, responses, lens = _batch()
+    grads = []
+    for m in (model, ckpt):
+        m.zero_grad(set_to_none=True)
+        m.requires_grad_(True)
+        prefix = prefix_forward(m, prompts, temperature=T, banned_ids=BANNED, attached=True)
+        got, _ = suffix_logprobs(m, prefix, responses, group_size=N, temperature=T, banned_ids=BANNED)
+        _loss([got[b, : lens[b]] for b in range(len(lens))]).backward()
+        grads.append(_grads(m))
+    assert grads[0].keys() == grads[1].keys()
+    for name, g in grads[0].items():
+        assert torch.allclose(g, grads[1][name], rtol=1e-12, atol=1e-14), name
