@@ -70,7 +70,15 @@ class RunConfig:
         choices=("auto", "float32", "bfloat16", "float64"),
     )
     deterministic: bool = _field(False, "use deterministic torch algorithms (slower)")
-    schedule: str = _field("serial", "phase schedule of one iteration", choices=("serial",))
+    schedule: str = _field(
+        "serial",
+        "phase schedule of one iteration: serial (phases one after another) or rollplex (reference and "
+        "actor prefixes computed before the responses exist and kept for their suffixes)",
+        choices=("serial", "rollplex"),
+    )
+    prefill_fusion: bool = _field(
+        False, "rollplex schedule: the actor's attached prefix under the current weights also seeds decode"
+    )
     progress: bool = _field(True, "show a progress bar with ETA")
     log_every: int = _field(1, "steps between metrics lines printed to the console", ge=1)
 
@@ -341,6 +349,17 @@ def _check_conflicts(cfg: Config) -> None:
             raise _conflict(f"data.{lo}", low, f"data.{hi}", high, "min exceeds max")
     _check_batching(cfg.rollout, cfg.algo)
     _check_rewards(cfg.reward)
+    _check_schedule(cfg)
+
+
+def _check_schedule(cfg) -> None:
+    """The rollplex schedule keeps prefixes computed under θ_k: one update per rollout batch."""
+    if cfg.run.schedule == "rollplex" and cfg.algo.mini_batches != 1:
+        why = "the rollplex schedule keeps actor prefixes of θ_k, so it allows one update per rollout batch"
+        raise _conflict("run.schedule", cfg.run.schedule, "algo.mini_batches", cfg.algo.mini_batches, why)
+    if cfg.run.prefill_fusion and cfg.run.schedule != "rollplex":
+        why = "prefill fusion is part of the rollplex schedule"
+        raise _conflict("run.prefill_fusion", True, "run.schedule", cfg.run.schedule, why)
 
 
 def config_from_dict(data: dict) -> Config:

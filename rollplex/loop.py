@@ -41,6 +41,7 @@ from rollplex.observe.metrics import MetricsWriter, PhaseTimer, ProgressBar
 from rollplex.optim import MasterWeightAdamW, learning_rate
 from rollplex.phases import ActorStats, Roles, rollout_phase
 from rollplex.rollout.engine import SamplingParams
+from rollplex.schedule.rollplex import rollplex_step
 from rollplex.schedule.serial import serial_step
 from rollplex.types import ScoredBatch
 
@@ -333,7 +334,8 @@ def _train_step(run: Run, step: int, timer) -> dict:
     start = time.perf_counter()
     with timer.phase("data"):
         prompts = run.train.next_batch()
-    scored, stats, norms = serial_step(run.roles, prompts, timer)
+    step_fn = rollplex_step if cfg.run.schedule == "rollplex" else serial_step
+    scored, stats, norms = step_fn(run.roles, prompts, timer)
     record = {"step": step + 1, **step_metrics(scored, stats, norms)}
     record.update(timer.pop())
     record["time/step"] = time.perf_counter() - start

@@ -21,10 +21,10 @@ from rollplex.algo.kl import kl_penalty
 from rollplex.algo.losses import aggregate, policy_loss
 from rollplex.algo.rewards import compute_rewards
 from rollplex.config import Config, reward_weights
-from rollplex.models.forward import prefix_forward, suffix_logprobs
+from rollplex.models.forward import merge_prefixes, prefix_forward, suffix_logprobs
 from rollplex.optim import MasterWeightAdamW
 from rollplex.rollout.engine import SamplingParams, generate
-from rollplex.types import Prompt, RolloutBatch, ScoredBatch
+from rollplex.types import PrefixState, Prompt, RolloutBatch, ScoredBatch
 
 
 @dataclass
@@ -51,13 +51,19 @@ class Roles:
 
 
 def rollout_phase(
-    roles: Roles, prompts: list[Prompt], group_size: int, sampling: SamplingParams
+    roles: Roles,
+    prompts: list[Prompt],
+    group_size: int,
+    sampling: SamplingParams,
+    prefix: PrefixState | None = None,
 ) -> RolloutBatch:
-    """Rollout prefix under θ_k (no graph) and N samples per prompt."""
+    """N samples per prompt under θ_k, from ``prefix`` (a detached boundary, e.g. the actor's under
+    prefill fusion) or from a rollout prefix computed here (no graph)."""
     temperature = sampling.temperature if sampling.temperature > 0 else 1.0
-    prefix = prefix_forward(
-        roles.actor, prompts, temperature=temperature, banned_ids=roles.banned_ids, attached=False
-    )
+    if prefix is None:
+        prefix = prefix_forward(
+            roles.actor, prompts, temperature=temperature, banned_ids=roles.banned_ids, attached=False
+        )
     return generate(
         roles.actor,
         prompts,
@@ -80,13 +86,20 @@ def reward_phase(roles: Roles, rollout: RolloutBatch) -> ScoredBatch:
 
 
 def score(
-    model, prompts: list[Prompt], rollout: RolloutBatch, temperature: float, banned_ids
+    model,
+    prompts: list[Prompt],
+    rollout: RolloutBatch,
+    temperature: float,
+    banned_ids,
+    prefix: PrefixState | None = None,
 ) -> torch.Tensor:
-    """Detached log-probs float32 [B, R] of the rollout's responses under ``model`` (prefix + suffix)."""
+    """Detached log-probs float32 [B, R] of the rollout's responses under ``model``: suffixes against
+    ``prefix`` (computed here when None)."""
     with torch.no_grad():
-        prefix = prefix_forward(
-            model, prompts, temperature=temperature, banned_ids=banned_ids, attached=False
-        )
+        if prefix is None:
+            prefix = prefix_forward(
+                model, prompts, temperature=temperature, banned_ids=banned_ids, attached=False
+            )
         logprobs, _ = suffix_logprobs(
             model,
             prefix,
@@ -98,15 +111,21 @@ def score(
     return torch.where(rollout.response_mask(), logprobs, 0.0)
 
 
-def reference_phase(roles: Roles, scored: ScoredBatch) -> ScoredBatch:
-    """Reference log-probs of the responses (skipped when the KL coefficient is 0)."""
-    if roles.reference is None or roles.config.algo.kl_coef == 0:
+def reference_phase(roles: Roles, scored: ScoredBatch, prefix: PrefixState | None = None) -> ScoredBatch:
+    """Reference log-probs of the responses (skipped when the KL coefficient is 0), against the
+    reference ``prefix`` when it was computed earlier."""
+    if not uses_reference(roles):
         return scored
     rollout = scored.rollout
     scored.ref_logprobs = score(
-        roles.reference, rollout.prompts, rollout, roles.score_temperature, roles.banned_ids
+        roles.reference, rollout.prompts, rollout, roles.score_temperature, roles.banned_ids, prefix
     )
     return scored
+
+
+def uses_reference(roles: Roles) -> bool:
+    """Whether reference scoring runs (a reference model and a non-zero KL coefficient)."""
+    return roles.reference is not None and roles.config.algo.kl_coef != 0
 
 
 @dataclass
@@ -128,7 +147,11 @@ def _group_slices(groups: list[int], size: int) -> list[list[int]]:
 
 
 def actor_backward(
-    roles: Roles, scored: ScoredBatch, groups: list[int], old_logprobs: torch.Tensor | None
+    roles: Roles,
+    scored: ScoredBatch,
+    groups: list[int],
+    old_logprobs: torch.Tensor | None,
+    prefixes: list[PrefixState] | None = None,
 ) -> ActorStats:
     """Forward + backward of the GRPO loss over ``groups`` (one mini-batch), micro-batched by groups.
 
@@ -138,6 +161,8 @@ def actor_backward(
     Args:
         old_logprobs: float32 [B, R] behaviour log-probs, or None for the first (on-policy) update, where
             the detached current log-probs are used so the ratio is exactly 1.
+        prefixes: the attached actor prefix of every group, computed earlier (rollplex schedule), or
+            None to compute each micro-batch's prefix here.
     """
     cfg, rollout = roles.config, scored.rollout
     n, mask = rollout.group_size, rollout.response_mask()
@@ -145,13 +170,16 @@ def actor_backward(
     num_tokens, stats = int(mask[rows_all].sum()), ActorStats()
     for micro in _group_slices(groups, cfg.algo.micro_batch_groups):
         rows = torch.tensor([g * n + i for g in micro for i in range(n)], device=mask.device)
-        prefix = prefix_forward(
-            roles.actor,
-            [rollout.prompts[g] for g in micro],
-            temperature=roles.score_temperature,
-            banned_ids=roles.banned_ids,
-            attached=True,
-        )
+        if prefixes is None:
+            prefix = prefix_forward(
+                roles.actor,
+                [rollout.prompts[g] for g in micro],
+                temperature=roles.score_temperature,
+                banned_ids=roles.banned_ids,
+                attached=True,
+            )
+        else:
+            prefix = merge_prefixes([prefixes[g] for g in micro])
         logprobs, entropy = suffix_logprobs(
             roles.actor,
             prefix,

@@ -28,7 +28,7 @@ from rollplex.config import (
 SPEC_DEFAULTS = {
     "run": {
         "out_dir": "runs/rollplex", "seed": 0, "steps": 100, "save_every": 50, "keep_checkpoints": 2,
-        "device": "auto", "dtype": "auto", "deterministic": False, "schedule": "serial", "progress": True,
+        "device": "auto", "dtype": "auto", "deterministic": False, "schedule": "serial", "prefill_fusion": False, "progress": True,
         "log_every": 1,
     },
     "model": {"path": "", "freeze_vision": False, "gradient_checkpointing": False},
@@ -109,7 +109,7 @@ def test_int_is_accepted_for_float_and_converted():
         ("algo.clip_low=-0.1", ["algo.clip_low", ">= 0"]),
         ("optim.beta2=1.0", ["optim.beta2", "< 1"]),
         ("optim.lr=.nan", ["optim.lr"]),
-        ("run.schedule=rollplex", ["run.schedule", "serial"]),
+        ("run.schedule=overlap", ["run.schedule", "serial", "rollplex"]),
         ("run.device=tpu", ["run.device", "auto", "cpu", "cuda"]),
         ("algo.loss_agg=sum", ["algo.loss_agg", "token-mean"]),
         ("run.steps=1.5", ["run.steps", "int", "1.5"]),
@@ -254,3 +254,12 @@ def test_resolve_device(monkeypatch):
         resolve_device(load_config(None, ["run.device=cuda"]).run)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     assert resolve_device(load_config(None).run) == "cuda"
+
+
+def test_schedule_conflicts_name_both_fields():
+    with pytest.raises(ConfigError, match=r"run\.schedule='rollplex'.*algo\.mini_batches=2"):
+        load_config(None, ["run.schedule=rollplex", "algo.mini_batches=2"])
+    with pytest.raises(ConfigError, match=r"run\.prefill_fusion=True.*run\.schedule='serial'"):
+        load_config(None, ["run.prefill_fusion=true"])
+    cfg = load_config(None, ["run.schedule=rollplex", "run.prefill_fusion=true"])
+    assert (cfg.run.schedule, cfg.run.prefill_fusion) == ("rollplex", True)

@@ -101,10 +101,13 @@ def _pad_stack(tensors: list[torch.Tensor], length: int) -> torch.Tensor:
     return torch.cat([F.pad(t, (0, 0, 0, length - t.shape[2])) for t in tensors], dim=0)
 
 
-def prefix_forward(
+def prefix_states(
     model, prompts: list[Prompt], *, temperature: float, banned_ids: torch.Tensor, attached: bool
-) -> PrefixState:
-    """Vision encode + prompt prefill of G prompts, once each (paper §2.3 prefix).
+) -> list[PrefixState]:
+    """Vision encode + prompt prefill of each prompt, once (paper §2.3 prefix), as one state per group.
+
+    Each group's state has its own autograd graph (when ``attached``), so a micro-batch's backward
+    touches only its own groups' prefixes.
 
     Args:
         prompts: the G group prompts.
@@ -113,35 +116,71 @@ def prefix_forward(
         attached: keep the autograd graph (actor prefix) or run without it (rollout, reference).
 
     Returns:
-        PrefixState with boundary KV per layer [G, Hkv, P_max, D] (model dtype) and last-position
-        log-probs float32 [G, V].
+        G PrefixStates of one group each: boundary KV per layer [1, Hkv, P, D] (model dtype) and
+        last-position log-probs [1, V] (float32; float64 for a float64 model).
     """
     grad = contextlib.nullcontext() if attached else torch.no_grad()
+    states = []
     with grad:
-        plans, last_hidden = [], []
         for prompt in prompts:
             plan = PrefixPlan()
             embeds = prompt_embeddings(model, prompt)
             positions = prompt.position_ids.to(embeds.device)[:, None, :]
             hidden = _decoder(model, embeds, positions, plan)
-            plans.append(plan)
-            last_hidden.append(hidden[:, -1])
-        logits = model.lm_head(torch.cat(last_hidden, dim=0))
-        last_logprobs = token_logprobs(logits, temperature, banned_ids.to(logits.device))
-        lens = torch.tensor([p.length for p in prompts], device=logits.device)
-        p_max = int(lens.max())
-        layers = len(plans[0].keys)
-        keys = [_pad_stack([p.keys[i] for p in plans], p_max) for i in range(layers)]
-        values = [_pad_stack([p.values[i] for p in plans], p_max) for i in range(layers)]
+            logits = model.lm_head(hidden[:, -1])
+            device = logits.device
+            states.append(
+                PrefixState(
+                    keys=[plan.keys[i] for i in range(len(plan.keys))],
+                    values=[plan.values[i] for i in range(len(plan.values))],
+                    prompt_lens=torch.tensor([prompt.length], device=device),
+                    next_position=torch.tensor([prompt.next_position], device=device),
+                    last_logprobs=token_logprobs(logits, temperature, banned_ids.to(device)),
+                    content_keys=[prompt.content_key],
+                    attached=attached,
+                )
+            )
+    return states
+
+
+def merge_prefixes(states: list[PrefixState]) -> PrefixState:
+    """One PrefixState of G groups from G single-group states: boundary KV zero-padded to the longest
+    prompt, [G, Hkv, P_max, D] per layer (differentiable: gradients flow back to each group's graph)."""
+    lens = torch.cat([s.prompt_lens for s in states])
+    p_max = int(lens.max())
+    layers = len(states[0].keys)
     return PrefixState(
-        keys=keys,
-        values=values,
+        keys=[_pad_stack([s.keys[i] for s in states], p_max) for i in range(layers)],
+        values=[_pad_stack([s.values[i] for s in states], p_max) for i in range(layers)],
         prompt_lens=lens,
-        next_position=torch.tensor([p.next_position for p in prompts], device=logits.device),
-        last_logprobs=last_logprobs,
-        content_keys=[p.content_key for p in prompts],
-        attached=attached,
+        next_position=torch.cat([s.next_position for s in states]),
+        last_logprobs=torch.cat([s.last_logprobs for s in states]),
+        content_keys=[key for s in states for key in s.content_keys],
+        attached=any(s.attached for s in states),
     )
+
+
+def detach_prefix(state: PrefixState) -> PrefixState:
+    """The same boundary state without its autograd graph (prefill fusion seeds decode with it)."""
+    return PrefixState(
+        keys=[k.detach() for k in state.keys],
+        values=[v.detach() for v in state.values],
+        prompt_lens=state.prompt_lens,
+        next_position=state.next_position,
+        last_logprobs=state.last_logprobs.detach(),
+        content_keys=list(state.content_keys),
+        attached=False,
+    )
+
+
+def prefix_forward(
+    model, prompts: list[Prompt], *, temperature: float, banned_ids: torch.Tensor, attached: bool
+) -> PrefixState:
+    """The prefixes of G prompts merged into one PrefixState (see ``prefix_states``): boundary KV per
+    layer [G, Hkv, P_max, D], last-position log-probs [G, V]."""
+    states = prefix_states(model, prompts, temperature=temperature, banned_ids=banned_ids, attached=attached)
+    with contextlib.nullcontext() if attached else torch.no_grad():
+        return merge_prefixes(states)
 
 
 def suffix_logprobs(
