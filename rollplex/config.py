@@ -79,6 +79,9 @@ class RunConfig:
     prefill_fusion: bool = _field(
         False, "rollplex schedule: the actor's attached prefix under the current weights also seeds decode"
     )
+    overlap: bool = _field(
+        True, "rollplex schedule: run the Phase-1 prefixes on a worker thread (own CUDA stream) during decode"
+    )
     progress: bool = _field(True, "show a progress bar with ETA")
     log_every: int = _field(1, "steps between metrics lines printed to the console", ge=1)
 

@@ -37,7 +37,7 @@ from rollplex.data.records import load_records
 from rollplex.data.vision import ImageSampling, VideoSampling
 from rollplex.models.forward import prepare_model
 from rollplex.models.positions import VisionTokens
-from rollplex.observe.metrics import MetricsWriter, PhaseTimer, ProgressBar
+from rollplex.observe.metrics import MetricsWriter, PhaseTimer, ProgressBar, write_chrome_trace
 from rollplex.optim import MasterWeightAdamW, learning_rate
 from rollplex.phases import ActorStats, Roles, rollout_phase
 from rollplex.rollout.engine import SamplingParams
@@ -315,6 +315,7 @@ def train(cfg: Config, resume: bool = False) -> Path:
                 keep=cfg.run.keep_checkpoints,
             )
     bar.close()
+    write_chrome_trace(timer.spans, run.run_dir / "trace.json")
     _summary(run, first_eval, record, time.perf_counter() - started)
     return run.run_dir
 

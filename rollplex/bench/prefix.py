@@ -131,9 +131,14 @@ def run_prefix_bench(cfg: PrefixBenchConfig, out: Path | None = None) -> PrefixB
     """Run the workload on CUDA (or CPU for smoke tests); print and return the table.
 
     Raises:
-        ValueError: unknown preset.
+        ValueError: unknown preset, or a preset other than ``tiny`` without a CUDA device.
     """
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device.type == "cpu" and cfg.preset != "tiny":
+        raise ValueError(
+            f"rollplex bench measures GPU work and found no CUDA device; the {cfg.preset} workload would take "
+            "hours on a CPU (use --preset tiny with small sizes for a CPU smoke run)"
+        )
     dtype = getattr(torch, cfg.dtype)
     model = random_model(cfg.preset, device, dtype)
     model.requires_grad_(True)

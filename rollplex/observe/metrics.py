@@ -164,9 +164,16 @@ class PhaseTimer:
         try:
             yield
         finally:
-            end = self._now()
-            self._totals[name] += end - start
-            self.spans.append(Span(start, end, name, stream))
+            self.record(name, start, self._now(), stream)
+
+    def now(self) -> float:
+        """The clock after the timer's sync (for spans timed by their owner, see ``record``)."""
+        return self._now()
+
+    def record(self, name: str, start: float, end: float, stream: str = "main") -> None:
+        """Add a span timed elsewhere (e.g. by a worker thread that synchronises only its own stream)."""
+        self._totals[name] += end - start
+        self.spans.append(Span(start, end, name, stream))
 
     def pop(self) -> dict[str, float]:
         """``{"time/<phase>": seconds}`` accumulated since the last pop, in first-use order; then reset."""

@@ -14,10 +14,12 @@ Matplotlib is used through ``Figure`` objects and its Agg canvas, without pyplot
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
 from pathlib import Path
 
 from matplotlib.figure import Figure
+from matplotlib.patches import Rectangle
 from matplotlib.ticker import MaxNLocator
 
 from rollplex.observe.metrics import read_metrics
@@ -161,6 +163,34 @@ def diagnostics_figure(rows: Sequence[dict]) -> Figure | None:
     return fig
 
 
+TRACE_FILE = "trace.json"
+
+
+def timeline_figure(trace: dict, last_seconds: float = 30.0) -> Figure | None:
+    """Gantt chart of the trace's last ``last_seconds``: one row per stream (main, decode, prefix), one
+    bar per phase span, coloured by phase name. None for an empty trace."""
+    names = {e["tid"]: e["args"]["name"] for e in trace.get("traceEvents", []) if e.get("ph") == "M"}
+    spans = [e for e in trace.get("traceEvents", []) if e.get("ph") == "X"]
+    if not spans:
+        return None
+    end = max(e["ts"] + e["dur"] for e in spans) / 1e6
+    shown = [e for e in spans if (e["ts"] + e["dur"]) / 1e6 >= end - last_seconds]
+    phases = sorted({e["name"] for e in shown})
+    colours = {name: f"C{i % 10}" for i, name in enumerate(phases)}
+    rows = sorted({e["tid"] for e in shown})
+    fig = Figure(figsize=(10, 1.2 + 0.6 * len(rows)))
+    ax = fig.add_subplot()
+    for row, tid in enumerate(rows):
+        for e in (e for e in shown if e["tid"] == tid):
+            ax.broken_barh([(e["ts"] / 1e6, e["dur"] / 1e6)], (row - 0.4, 0.8), color=colours[e["name"]])
+    ax.set_yticks(range(len(rows)), [names.get(tid, str(tid)) for tid in rows])
+    ax.set_xlabel("seconds since the run started")
+    ax.set_title(f"Step timeline (last {last_seconds:.0f} s)")
+    handles = [Rectangle((0, 0), 1, 1, color=colours[n]) for n in phases]
+    ax.legend(handles, phases, loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8)
+    return fig
+
+
 def make_report(run_dir: Path) -> list[Path]:
     """Write the report PNGs of ``run_dir`` into ``run_dir/report/`` and return their paths.
 
@@ -175,9 +205,12 @@ def make_report(run_dir: Path) -> list[Path]:
         (step_time_figure, "step_time.png"),
         (diagnostics_figure, "training.png"),
     )
+    figures = [(build(rows), name) for build, name in plots]
+    trace = Path(run_dir) / TRACE_FILE
+    if trace.exists():
+        figures.append((timeline_figure(json.loads(trace.read_text())), "timeline.png"))
     written = []
-    for build, name in plots:
-        fig = build(rows)
+    for fig, name in figures:
         if fig is not None:
             fig.tight_layout()
             fig.savefig(out / name, dpi=100)

@@ -14,13 +14,16 @@ from tests.test_loop import _config, _metrics, _weights, assets  # noqa: F401  (
 SCHEDULES = {
     "serial": {},
     "rollplex": {"run.schedule": "rollplex"},
+    "sequential": {"run.schedule": "rollplex", "run.overlap": "false"},
     "fused": {"run.schedule": "rollplex", "run.prefill_fusion": "true"},
+    "fused-sequential": {"run.schedule": "rollplex", "run.prefill_fusion": "true", "run.overlap": "false"},
 }
 
 
 def test_schedules_give_identical_parameters(assets, tmp_path):  # noqa: F811
     """3 steps with KL on and 4-token responses (the suffix path runs): weights and every metric except
-    wall times are bitwise equal across the three schedules."""
+    wall times are bitwise equal across serial, rollplex with and without the worker thread, and with
+    and without prefill fusion."""
     runs = {}
     for name, extra in SCHEDULES.items():
         cfg = _config(assets, tmp_path / name, 3, **{"algo.kl_coef": 0.05, "eval.every": 0, **extra})
@@ -28,7 +31,7 @@ def test_schedules_give_identical_parameters(assets, tmp_path):  # noqa: F811
     weights = {name: _weights(run) for name, run in runs.items()}
     strip = lambda row: {k: v for k, v in row.items() if not k.startswith("time/")}  # noqa: E731
     metrics = {name: [strip(r) for r in _metrics(run)] for name, run in runs.items()}
-    for name in ("rollplex", "fused"):
+    for name in SCHEDULES:
         assert all(torch.equal(weights["serial"][k], weights[name][k]) for k in weights["serial"]), name
         assert metrics["serial"] == metrics[name], name
     assert any(r.get("kl", 0) > 0 for r in metrics["serial"])  # the reference path really ran
@@ -49,6 +52,13 @@ class _Recorder:
 
     def _forward(self, *args):
         self.events.append(("forward", self.current, self._version()))
+
+    def now(self):
+        return self.timer.now()
+
+    def record(self, name, start, end, stream="main"):
+        self.events.append(("record", name, self._version()))
+        self.timer.record(name, start, end, stream)
 
     def phase(self, name):
         recorder = self
@@ -79,7 +89,8 @@ def _check_barriers(events, order):
 def test_barriers(assets, tmp_path):  # noqa: F811
     for name, step, order in (
         ("serial", serial_step, ["rollout", "rewards", "reference", "actor", "actor", "optimizer"]),
-        ("rollplex", rollplex_step, ["prefix", "rollout", "rewards", "reference", "actor", "optimizer"]),
+        ("sequential", rollplex_step, ["prefix", "rollout", "rewards", "reference", "actor", "optimizer"]),
+        ("rollplex", rollplex_step, ["rewards", "reference", "actor", "optimizer"]),  # Phase 1 on two threads
     ):
         cfg = _config(assets, tmp_path / name, 1, **{"algo.kl_coef": 0.05, **SCHEDULES[name]})
         run = build_run(cfg)

@@ -1,0 +1,92 @@
+"""Phase-1 concurrency: prefix work on a worker thread (and, on CUDA, its own stream) while decode runs.
+
+Who waits on what:
+
+    main thread / decode stream:  [rollout prefix]──[decode ..............]──sync──join──▶ Phase 2
+    worker thread / prefix stream:        └─start──[ref prefix][actor prefix]──sync─┘
+                                                                     join: decode stream waits on the
+                                                                     prefix stream; boundary tensors are
+                                                                     marked as used by the decode stream
+
+This module is the only place that creates threads or streams for the schedule; model code never
+synchronises. On the CPU the worker is a plain thread (torch releases the GIL inside its kernels), so the
+same code path runs, and must give bitwise the same numbers, in the CPU tests.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+
+def stream_sync(device: torch.device) -> None:
+    """Wait for the current stream of ``device`` only (not the whole device)."""
+    if device.type == "cuda":
+        torch.cuda.current_stream(device).synchronize()
+
+
+@dataclass
+class SideResult:
+    """What a side worker produced, and when it ran (``time.perf_counter`` seconds)."""
+
+    value: object
+    start: float
+    end: float
+
+
+class SideWork:
+    """Run ``fn()`` on a worker thread, on its own CUDA stream when ``device`` is CUDA.
+
+    Args:
+        fn: the work; returns the value ``join`` hands back.
+        device: where the work runs.
+        priority: CUDA stream priority of the worker (0 = default; lower numbers are higher priority).
+    """
+
+    def __init__(self, fn: Callable[[], object], device: torch.device, priority: int = 0):
+        self.fn, self.device = fn, device
+        self.stream = torch.cuda.Stream(device, priority=priority) if device.type == "cuda" else None
+        self._thread = threading.Thread(target=self._run, name="rollplex-prefix", daemon=True)
+        self._result: SideResult | None = None
+        self._error: BaseException | None = None
+
+    def start(self) -> SideWork:
+        if self.stream is not None:
+            self.stream.wait_stream(torch.cuda.current_stream(self.device))  # inputs are ready
+        self._thread.start()
+        return self
+
+    def _run(self) -> None:
+        context = torch.cuda.stream(self.stream) if self.stream is not None else contextlib.nullcontext()
+        try:
+            with context:
+                start = time.perf_counter()
+                value = self.fn()
+                stream_sync(self.device)
+                self._result = SideResult(value, start, time.perf_counter())
+        except BaseException as err:  # handed to the main thread by join()
+            self._error = err
+
+    def join(self, consumers: Callable[[SideResult], list[torch.Tensor]] = lambda r: []) -> SideResult:
+        """Wait for the worker; make the current stream wait for its stream and mark the tensors that
+        ``consumers(result)`` lists as used by the current stream (so the allocator never reuses their
+        memory while later kernels still read them).
+
+        Raises:
+            whatever ``fn`` raised.
+        """
+        self._thread.join()
+        if self._error is not None:
+            raise self._error
+        assert self._result is not None
+        if self.stream is not None:
+            current = torch.cuda.current_stream(self.device)
+            current.wait_stream(self.stream)
+            for tensor in consumers(self._result):
+                tensor.record_stream(current)
+        return self._result
