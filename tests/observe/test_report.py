@@ -149,3 +149,22 @@ def test_missing_or_empty_metrics_raise(tmp_path):
     (tmp_path / "metrics.jsonl").write_text("")
     with pytest.raises(ValueError, match=r"metrics\.jsonl.*empty"):
         make_report(tmp_path)
+
+
+def test_timeline_from_trace(tmp_path):
+    """A run's trace.json becomes report/timeline.png (one row per stream)."""
+    from rollplex.observe.metrics import Span, write_chrome_trace
+    from rollplex.observe.report import make_report, timeline_figure
+
+    (tmp_path / "metrics.jsonl").write_text('{"step": 1, "reward_mean": 0.5, "time/actor": 1.0}\n')
+    spans = [
+        Span(0.0, 1.0, "rollout", "decode"),
+        Span(0.1, 0.6, "prefix", "prefix"),
+        Span(1.0, 2.0, "actor", "main"),
+    ]
+    write_chrome_trace(spans, tmp_path / "trace.json")
+    paths = make_report(tmp_path)
+    assert tmp_path / "report" / "timeline.png" in paths
+    fig = timeline_figure(__import__("json").loads((tmp_path / "trace.json").read_text()))
+    labels = [t.get_text() for t in fig.axes[0].get_yticklabels()]
+    assert labels == ["decode", "prefix", "main"]

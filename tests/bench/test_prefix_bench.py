@@ -1,0 +1,34 @@
+"""``rollplex bench prefix`` on the tiny preset (CPU smoke): both ways score the same log-probs."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from rollplex.bench.prefix import PrefixBenchConfig, run_prefix_bench
+
+
+def test_tiny_bench_runs_and_agrees(tmp_path):
+    cfg = PrefixBenchConfig(
+        preset="tiny",
+        groups=2,
+        group_size=3,
+        response_tokens=6,
+        text_tokens=20,
+        grid=(2, 4, 4),
+        suffix_group_sizes=(2, 3),
+        dtype="float32",
+    )
+    result = run_prefix_bench(cfg, tmp_path / "out.json")
+    assert set(result.rows) == {"reference", "actor"}
+    assert result.logprob_agreement["max_abs"] <= 1e-5
+    assert set(result.suffix_memory) == {"2", "3"}
+    assert json.loads((tmp_path / "out.json").read_text())["prompt_tokens"] == 20 + 2 * 4 * 4 // 4
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the guard is for machines without CUDA")
+def test_large_workload_needs_a_gpu():
+    with pytest.raises(ValueError, match="no CUDA device"):
+        run_prefix_bench(PrefixBenchConfig())
