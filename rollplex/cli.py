@@ -13,6 +13,7 @@ Examples:
     rollplex model init --preset tiny --out models/tiny
     rollplex report runs/rollplex
     rollplex bench prefix --out results/prefix.json
+    rollplex bench schedule --out results/schedule.json
 """
 
 from __future__ import annotations
@@ -113,23 +114,53 @@ def _bench_prefix(args: argparse.Namespace) -> None:
     run_prefix_bench(PrefixBenchConfig(**options), args.out)
 
 
-def _add_bench(sub: argparse._SubParsersAction) -> None:
-    bench = sub.add_parser("bench", help="GPU benchmarks, measured side by side").add_subparsers(
-        dest="bench_command", required=True
+def _bench_schedule(args: argparse.Namespace) -> None:
+    from rollplex.bench.schedule import ScheduleBenchConfig, run_schedule_bench
+
+    fields = (
+        "preset",
+        "groups",
+        "group_size",
+        "response_tokens",
+        "text_tokens",
+        "grid",
+        "warmup",
+        "steps",
+        "dtype",
     )
-    p = bench.add_parser("prefix", help="prefix + suffix vs naive per-sequence scoring and training")
+    options = {name: getattr(args, name) for name in fields if getattr(args, name) is not None}
+    if args.rows is not None:
+        options["rows"] = tuple(row.strip() for row in args.rows.split(","))
+    run_schedule_bench(ScheduleBenchConfig(**options), args.out)
+
+
+def _add_workload_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--preset", choices=PRESETS, help="model size (default qwen2.5-vl-3b)")
     p.add_argument("--groups", type=int, help="prompt groups G (default 8)")
     p.add_argument("--group-size", type=int, help="responses per group N (default 8)")
     p.add_argument("--response-tokens", type=int, help="response length R (default 512)")
     p.add_argument("--text-tokens", type=int, help="text tokens per prompt (default 400)")
     p.add_argument("--grid", type=_grid, help="video patch grid t,h,w (default 16,20,44: 3,520 tokens)")
-    p.add_argument("--repeats", type=int, help="timed repeats after one warm-up (default 2)")
-    p.add_argument("--suffix-group-sizes", help="N values of the suffix-memory sweep (default 4,8,16)")
     p.add_argument("--dtype", choices=("bfloat16", "float32"), help="model dtype (default bfloat16)")
-    p.add_argument("--parts", help="comma-separated subset of compare,suffix-memory (default both)")
     p.add_argument("--out", type=Path, help="write the results as JSON here")
+
+
+def _add_bench(sub: argparse._SubParsersAction) -> None:
+    bench = sub.add_parser("bench", help="GPU benchmarks, measured side by side").add_subparsers(
+        dest="bench_command", required=True
+    )
+    p = bench.add_parser("prefix", help="prefix + suffix vs naive per-sequence scoring and training")
+    _add_workload_arguments(p)
+    p.add_argument("--repeats", type=int, help="timed repeats after one warm-up (default 1)")
+    p.add_argument("--suffix-group-sizes", help="N values of the suffix-memory sweep (default 4,8,16)")
+    p.add_argument("--parts", help="comma-separated subset of compare,suffix-memory (default both)")
     p.set_defaults(handler=_bench_prefix)
+    p = bench.add_parser("schedule", help="serial vs rollplex schedules on one training workload")
+    _add_workload_arguments(p)
+    p.add_argument("--warmup", type=int, help="discarded warm-up iterations per schedule (default 1)")
+    p.add_argument("--steps", type=int, help="timed iterations per schedule (default 3)")
+    p.add_argument("--rows", help="comma-separated subset of serial,overlap,fusion,both (default all)")
+    p.set_defaults(handler=_bench_schedule)
 
 
 def _add_train(sub: argparse._SubParsersAction) -> None:

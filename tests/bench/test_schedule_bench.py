@@ -1,0 +1,33 @@
+"""``rollplex bench schedule`` on the tiny preset (CPU smoke): every row reaches serial's parameters."""
+
+from __future__ import annotations
+
+import pytest
+
+from rollplex.bench.schedule import ScheduleBenchConfig, run_schedule_bench
+
+
+def test_rows_reach_the_same_parameters(tmp_path):
+    cfg = ScheduleBenchConfig(
+        preset="tiny",
+        groups=2,
+        group_size=2,
+        response_tokens=4,
+        text_tokens=20,
+        grid=(2, 4, 4),
+        warmup=0,
+        steps=1,
+        dtype="float32",
+        gradient_checkpointing=False,
+    )
+    result = run_schedule_bench(cfg, tmp_path / "schedule.json")
+    assert set(result.rows) == {"serial", "overlap", "fusion", "both"}
+    for row in result.rows.values():
+        assert row["max_abs_param_diff_vs_serial"] == 0.0
+        assert row["step_s_median"] > 0
+    assert (tmp_path / "schedule.json").exists()
+
+
+def test_unknown_row_is_named():
+    with pytest.raises(ValueError, match="unknown schedule rows"):
+        run_schedule_bench(ScheduleBenchConfig(preset="tiny", rows=("serial", "magic")))
