@@ -16,6 +16,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from rollplex.algo.rewards import FORMAT_REWARDS
 from rollplex.checkpoint import (
     latest_checkpoint,
     load_trainer_state,
@@ -197,7 +198,6 @@ def step_metrics(scored: ScoredBatch, stats: list[ActorStats], norms: list[float
     out = {
         "reward_mean": float(rewards.total.mean()),
         "accuracy": float(rewards.accuracy.mean()),
-        "format_rate": float(rewards.format.mean()),
         "kl": sum(s.kl for s in stats) / tokens,
         "loss": sum(s.loss for s in stats) / len(stats),
         "clip_fraction": sum(s.clip_fraction for s in stats) / tokens,
@@ -212,6 +212,8 @@ def step_metrics(scored: ScoredBatch, stats: list[ActorStats], norms: list[float
     }
     for name, values in rewards.per_function.items():
         out[f"reward/{name}"] = float(values.float().mean())
+    if any(name in FORMAT_REWARDS for name in rewards.per_function):
+        out["format_rate"] = float(rewards.format.mean())
     return out
 
 
