@@ -138,6 +138,7 @@ def _write_contents(tmp: Path, step: int, model: Any, processor: Any, trainer_st
     if processor is not None:
         processor.save_pretrained(tmp / HF_DIR)
     torch.save(trainer_state, tmp / TRAINER_STATE)
+    make_readable(tmp)
     _fsync_tree(tmp)
     files = sorted(str(p.relative_to(tmp)) for p in tmp.rglob("*") if p.is_file())
     with open(tmp / MARKER, "w") as f:
@@ -228,3 +229,12 @@ def set_rng_state(state: dict) -> None:
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def make_readable(folder: Path) -> None:
+    """Give the files under ``folder`` the permissions the umask allows (some writers create 0600 files)."""
+    mask = os.umask(0)
+    os.umask(mask)
+    for path in Path(folder).rglob("*"):
+        if path.is_file():
+            os.chmod(path, 0o666 & ~mask)

@@ -56,7 +56,7 @@ def _train(args: argparse.Namespace) -> None:
     validate_for_training(cfg)
     from rollplex.loop import train
 
-    train(cfg, resume=args.resume)
+    train(cfg, resume=args.resume, overwrite=args.overwrite)
 
 
 def _families(text: str) -> tuple[str, ...]:
@@ -169,6 +169,9 @@ def _add_train(sub: argparse._SubParsersAction) -> None:
         "items", nargs="*", metavar="[CONFIG.yaml] [key=value]", help="config file, then overrides"
     )
     p.add_argument("--resume", action="store_true", help="continue from the run folder's latest checkpoint")
+    p.add_argument(
+        "--overwrite", action="store_true", help="start over in a run folder that already holds a run"
+    )
     p.add_argument("--help-config", action="store_true", help="list every config field and exit")
     p.set_defaults(handler=_train)
 
@@ -223,7 +226,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     Usage errors exit through argparse (status 2); a ``ValueError`` raised by the command prints
     ``rollplex: error: <message>`` (joined into one line) on stderr and returns 2.
     """
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    if extra and args.command == "train" and all("=" in item for item in extra):
+        args.items = [*args.items, *extra]  # key=value overrides may follow --resume / --overwrite
+    elif extra:
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
     try:
         args.handler(args)
     except ValueError as exc:

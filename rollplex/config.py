@@ -83,7 +83,9 @@ class RunConfig:
         True, "rollplex schedule: run the Phase-1 prefixes on a worker thread (own CUDA stream) during decode"
     )
     progress: bool = _field(True, "show a progress bar with ETA")
-    log_every: int = _field(1, "steps between metrics lines printed to the console", ge=1)
+    log_every: int = _field(
+        10, "steps between one-line metrics summaries in the log (always written to metrics.jsonl)", ge=1
+    )
 
 
 @dataclass(kw_only=True)
@@ -181,7 +183,12 @@ class OptimConfig:
 class EvalConfig:
     """Held-out accuracy measured during training."""
 
-    every: int = _field(0, "steps between held-out evaluations; 0 = off", ge=0)
+    every: int = _field(
+        0,
+        "steps between held-out evaluations; with data.val_path set, the run also evaluates before the first "
+        "and after the last step (0 = only then)",
+        ge=0,
+    )
     num_prompts: int = _field(64, "held-out prompts per evaluation", ge=1)
     temperature: float = _field(0.0, "sampling temperature; 0 = greedy", ge=0)
 

@@ -9,6 +9,7 @@ import logging
 import math
 import os
 import random
+import shutil
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -274,15 +275,22 @@ def _in_memory_name(key: str, params: dict) -> str:
     return key
 
 
-def train(cfg: Config, resume: bool = False) -> Path:
+def train(cfg: Config, resume: bool = False, overwrite: bool = False) -> Path:
     """Run GRPO training as configured; returns the run folder.
 
+    Args:
+        resume: continue from the run folder's latest checkpoint.
+        overwrite: start over in a run folder that already holds a run (its checkpoints and metrics are
+            removed first); without it such a folder is refused, so no run history is lost by accident.
+
     Raises:
-        ConfigError / DatasetError (ValueError): bad config, unreadable dataset or nothing usable left.
+        ConfigError / DatasetError (ValueError): bad config, unreadable dataset or nothing usable left,
+            or a run folder that already holds a run (without ``resume`` or ``overwrite``).
     """
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     _quiet_library_progress()
     started = time.perf_counter()
+    _claim_run_dir(Path(cfg.run.out_dir), resume, overwrite)
     run = build_run(cfg)
     run.run_dir.mkdir(parents=True, exist_ok=True)
     save_config(cfg, run.run_dir / "config.yaml")
@@ -307,6 +315,8 @@ def train(cfg: Config, resume: bool = False) -> Path:
         record.update(evaluation)
         metrics.write(record)
         bar.update(record)
+        if step % cfg.run.log_every == 0 or step == cfg.run.steps:
+            log.info(_log_line(record))
         if _should_save(cfg, step):
             save_checkpoint(
                 run.run_dir,
@@ -320,6 +330,33 @@ def train(cfg: Config, resume: bool = False) -> Path:
     write_chrome_trace(timer.spans, run.run_dir / "trace.json")
     _summary(run, first_eval, record, time.perf_counter() - started)
     return run.run_dir
+
+
+def _claim_run_dir(run_dir: Path, resume: bool, overwrite: bool) -> None:
+    """Refuse to start a new run on top of an old one unless asked to overwrite it."""
+    held = [p for p in (run_dir / "metrics.jsonl", run_dir / "checkpoints") if p.exists()]
+    if not held or resume:
+        return
+    if not overwrite:
+        raise ValueError(
+            f"run folder {run_dir} already holds a run ({', '.join(p.name for p in held)}): pass --resume to "
+            "continue it, --overwrite to start over, or choose another run.out_dir"
+        )
+    for path in held:
+        shutil.rmtree(path) if path.is_dir() else path.unlink()
+    (run_dir / "trace.json").unlink(missing_ok=True)
+
+
+def _log_line(record: dict) -> str:
+    fields = (
+        ("step", "step", "{:d}"),
+        ("reward", "reward_mean", "{:.3f}"),
+        ("acc", "accuracy", "{:.3f}"),
+        ("val_acc", "val_accuracy", "{:.3f}"),
+        ("kl", "kl", "{:.4f}"),
+        ("s/step", "time/step", "{:.2f}"),
+    )
+    return " ".join(f"{label} {fmt.format(record[key])}" for label, key, fmt in fields if key in record)
 
 
 def _quiet_library_progress() -> None:
@@ -369,6 +406,8 @@ def _summary(run: Run, first: dict, last: dict, seconds: float) -> None:
     parts = [f"run folder {run.run_dir}", f"wall time {seconds / 60:.1f} min"]
     if "val_accuracy" in first and "val_accuracy" in last:
         parts.append(f"held-out accuracy {first['val_accuracy']:.3f} -> {last['val_accuracy']:.3f}")
+    elif "val_accuracy" in last:
+        parts.append(f"held-out accuracy {last['val_accuracy']:.3f}")
     if "chance_accuracy" in last:
         parts.append(f"chance {last['chance_accuracy']:.3f}")
     skipped = len(run.train.skipped) + run.malformed

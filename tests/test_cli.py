@@ -36,7 +36,11 @@ def paths(tmp_path):
 @pytest.fixture
 def trained(monkeypatch):
     calls = []
-    _fake_module(monkeypatch, "rollplex.loop", train=lambda cfg, resume=False: calls.append((cfg, resume)))
+    _fake_module(
+        monkeypatch,
+        "rollplex.loop",
+        train=lambda cfg, resume=False, overwrite=False: calls.append((cfg, resume)),
+    )
     return calls
 
 
@@ -206,3 +210,21 @@ def test_help_is_lazy_and_module_entry_point_works(tmp_path):
     result = _run("-m", "rollplex", "train", str(config))
     assert result.returncode == 2
     assert result.stderr == "rollplex: error: rollout.top_p=2.0 must be <= 1\n"
+
+
+def test_overrides_may_follow_resume(monkeypatch, tmp_path):
+    """`rollplex train CONFIG --resume key=value` keeps the override (options may come first)."""
+    calls = []
+    _fake_module(
+        monkeypatch,
+        "rollplex.loop",
+        train=lambda cfg, resume=False, overwrite=False: calls.append((cfg, resume, overwrite)),
+    )
+    model, data = tmp_path / "m", tmp_path / "d.json"
+    model.mkdir()
+    data.write_text("[]")
+    config = tmp_path / "run.yaml"
+    config.write_text(f"model:\n  path: {model}\ndata:\n  train_path: {data}\n")
+    assert main(["train", str(config), "--resume", "run.steps=8", "--overwrite"]) == 0
+    cfg, resume, overwrite = calls[0]
+    assert cfg.run.steps == 8 and resume and overwrite

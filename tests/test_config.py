@@ -29,7 +29,7 @@ SPEC_DEFAULTS = {
     "run": {
         "out_dir": "runs/rollplex", "seed": 0, "steps": 100, "save_every": 50, "keep_checkpoints": 2,
         "device": "auto", "dtype": "auto", "deterministic": False, "schedule": "serial", "prefill_fusion": False, "overlap": True, "progress": True,
-        "log_every": 1,
+        "log_every": 10,
     },
     "model": {"path": "", "freeze_vision": False, "gradient_checkpointing": False},
     "data": {

@@ -172,3 +172,14 @@ def test_unreadable_dataset_stops_with_a_clear_error(assets, tmp_path):
     with pytest.raises(DatasetError, match=str(path.name)):
         train(cfg)
     shutil.rmtree(tmp_path / "run", ignore_errors=True)
+
+
+def test_existing_run_folder_is_never_overwritten_by_accident(assets, tmp_path):
+    cfg = _config(assets, tmp_path / "run", 1, **{"eval.every": 0, "data.val_path": ""})
+    run = train(cfg)
+    before = (run / "metrics.jsonl").read_text()
+    with pytest.raises(ValueError, match="--resume.*--overwrite"):
+        train(cfg)
+    assert (run / "metrics.jsonl").read_text() == before
+    train(cfg, overwrite=True)
+    assert [row["step"] for row in _metrics(run)] == [1]

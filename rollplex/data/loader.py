@@ -65,7 +65,7 @@ class PromptSource:
             prompt = self.builder.build(self.records[i])
         except SkipSample as err:
             record = self.records[i]
-            log.warning("skipping record %d (problem_id %s): %s", i, record.problem_id, err)
+            log.warning("skipping problem_id %s (%s): %s", record.problem_id, record.path, err)
             self.skipped[i] = str(err)
             return None
         size = _nbytes(prompt)

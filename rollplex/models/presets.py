@@ -259,9 +259,15 @@ def init_checkpoint(preset: str, out: Path, *, seed: int = 0, dtype: torch.dtype
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(f".{out.name}.partial-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
+    from transformers.utils import logging as hf_logging
+
+    from rollplex.checkpoint import make_readable
+
+    hf_logging.disable_progress_bar()
     try:
         model.save_pretrained(tmp)
         processor.save_pretrained(tmp)
+        make_readable(tmp)
         os.replace(tmp, out)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
