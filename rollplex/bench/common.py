@@ -22,6 +22,36 @@ _RECORD = Record(
 )
 
 
+@dataclass(frozen=True)
+class Workload:
+    """The benchmark workload (defaults: the 3B workload of docs/benchmarks.md): G prompt groups of one
+    video prompt each (``text_tokens`` + the video's t·h·w/4 tokens), N responses of R tokens."""
+
+    preset: str = "qwen2.5-vl-3b"
+    groups: int = 8
+    group_size: int = 8
+    response_tokens: int = 512
+    text_tokens: int = 400
+    grid: tuple[int, int, int] = (16, 20, 44)  # 32 frames of 280×616 px: 3,520 video tokens
+    dtype: str = "bfloat16"
+
+
+def bench_device(preset: str) -> torch.device:
+    """CUDA when present; the CPU only for the tiny preset (smoke runs).
+
+    Raises:
+        ValueError: a preset other than ``tiny`` and no CUDA device.
+    """
+    if torch.cuda.is_available():
+        return torch.device("cuda")
+    if preset != "tiny":
+        raise ValueError(
+            f"rollplex bench measures GPU work and found no CUDA device; the {preset} workload would take "
+            "hours on a CPU (use --preset tiny with small sizes for a CPU smoke run)"
+        )
+    return torch.device("cpu")
+
+
 def random_model(preset: str, device: torch.device, dtype: torch.dtype, seed: int = 0):
     """Preset ``preset`` with random weights built directly on ``device``, routed through rollplex
     attention, in inference mode (dropout off)."""

@@ -27,6 +27,8 @@ import torch
 
 from rollplex.bench.common import (
     PromptShape,
+    Workload,
+    bench_device,
     median,
     peak_gib,
     random_model,
@@ -40,18 +42,11 @@ from rollplex.types import Prompt
 
 
 @dataclass(frozen=True)
-class PrefixBenchConfig:
+class PrefixBenchConfig(Workload):
     """Workload of ``rollplex bench prefix`` (defaults: the 3B workload of docs/benchmarks.md)."""
 
-    preset: str = "qwen2.5-vl-3b"
-    groups: int = 8
-    group_size: int = 8
-    response_tokens: int = 512
-    text_tokens: int = 400
-    grid: tuple[int, int, int] = (16, 20, 44)  # 32 frames of 280×616 px: 3,520 video tokens
     repeats: int = 1
     suffix_group_sizes: tuple[int, ...] = (4, 8, 16)
-    dtype: str = "bfloat16"
     parts: tuple[str, ...] = ("compare", "suffix-memory")
 
 
@@ -133,12 +128,7 @@ def run_prefix_bench(cfg: PrefixBenchConfig, out: Path | None = None) -> PrefixB
     Raises:
         ValueError: unknown preset, or a preset other than ``tiny`` without a CUDA device.
     """
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if device.type == "cpu" and cfg.preset != "tiny":
-        raise ValueError(
-            f"rollplex bench measures GPU work and found no CUDA device; the {cfg.preset} workload would take "
-            "hours on a CPU (use --preset tiny with small sizes for a CPU smoke run)"
-        )
+    device = bench_device(cfg.preset)
     dtype = getattr(torch, cfg.dtype)
     model = random_model(cfg.preset, device, dtype)
     model.requires_grad_(True)

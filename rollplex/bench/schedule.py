@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from rollplex.bench.common import PromptShape, random_model, synthetic_prompt
+from rollplex.bench.common import PromptShape, Workload, bench_device, random_model, synthetic_prompt
 from rollplex.config import load_config
 from rollplex.observe.metrics import PhaseTimer
 from rollplex.optim import MasterWeightAdamW
@@ -41,20 +41,13 @@ ROWS = {
 
 
 @dataclass(frozen=True)
-class ScheduleBenchConfig:
+class ScheduleBenchConfig(Workload):
     """Workload of ``rollplex bench schedule`` (defaults: the 3B workload of docs/benchmarks.md)."""
 
-    preset: str = "qwen2.5-vl-3b"
-    groups: int = 8
-    group_size: int = 8
-    response_tokens: int = 512
-    text_tokens: int = 400
-    grid: tuple[int, int, int] = (16, 20, 44)
     warmup: int = 1
     steps: int = 3
     rows: tuple[str, ...] = tuple(ROWS)
     gradient_checkpointing: bool = True
-    dtype: str = "bfloat16"
 
 
 @dataclass
@@ -164,12 +157,7 @@ def run_schedule_bench(cfg: ScheduleBenchConfig, out: Path | None = None) -> Sch
     unknown = set(cfg.rows) - set(ROWS)
     if unknown:
         raise ValueError(f"unknown schedule rows {sorted(unknown)}; expected some of {list(ROWS)}")
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if device.type == "cpu" and cfg.preset != "tiny":
-        raise ValueError(
-            f"rollplex bench measures GPU work and found no CUDA device; the {cfg.preset} workload would take "
-            "hours on a CPU (use --preset tiny with small sizes for a CPU smoke run)"
-        )
+    device = bench_device(cfg.preset)
     work = _Workload(cfg, device)
     result = ScheduleBenchResult(config=asdict(cfg))
     weights = {}

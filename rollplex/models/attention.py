@@ -223,17 +223,25 @@ def sdpa_shared_prefix_attention(query, own_keys, own_values, plan: SuffixPlan, 
     Returns:
         [B, R, H, D].
     """
-    n = plan.group_size
-    b, h, r, _ = query.shape
-    g, hkv = b // n, own_keys.shape[1]
-    keys = torch.cat([plan.prefix_keys[layer], _fold(own_keys, g, n)], dim=2).repeat_interleave(
-        h // hkv, dim=1
+    n, (b, h, r, _) = plan.group_size, query.shape
+    keys, values = _group_keys_values(plan, layer, own_keys, own_values)
+    rep = h // own_keys.shape[1]
+    keys, values = keys.repeat_interleave(rep, dim=1), values.repeat_interleave(rep, dim=1)
+    out = F.scaled_dot_product_attention(
+        _fold(query, b // n, n), keys, values, attn_mask=plan.mask, scale=scaling
     )
-    values = torch.cat([plan.prefix_values[layer], _fold(own_values, g, n)], dim=2).repeat_interleave(
-        h // hkv, dim=1
-    )
-    out = F.scaled_dot_product_attention(_fold(query, g, n), keys, values, attn_mask=plan.mask, scale=scaling)
     return _unfold(out, n, r)
+
+
+def _group_keys_values(
+    plan: SuffixPlan, layer: int, own_keys, own_values
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """[boundary KV ; the N suffixes' own keys/values] per group: [G, Hkv, P_max + N·R, D] each (the
+    boundary is concatenated once per group, never N times)."""
+    g, n = own_keys.shape[0] // plan.group_size, plan.group_size
+    keys = torch.cat([plan.prefix_keys[layer], _fold(own_keys, g, n)], dim=2)
+    values = torch.cat([plan.prefix_values[layer], _fold(own_values, g, n)], dim=2)
+    return keys, values
 
 
 def flex_shared_prefix_attention(query, own_keys, own_values, plan: SuffixPlan, layer: int, scaling):
@@ -249,12 +257,9 @@ def flex_shared_prefix_attention(query, own_keys, own_values, plan: SuffixPlan, 
     Returns:
         [B, R, H, D].
     """
-    n = plan.group_size
-    b, h, r, _ = query.shape
-    g = b // n
-    keys = torch.cat([plan.prefix_keys[layer], _fold(own_keys, g, n)], dim=2)
-    values = torch.cat([plan.prefix_values[layer], _fold(own_values, g, n)], dim=2)
-    out = _flex()(_fold(query, g, n), keys, values, block_mask=plan.mask, scale=scaling, enable_gqa=True)
+    n, (b, _, r, _) = plan.group_size, query.shape
+    keys, values = _group_keys_values(plan, layer, own_keys, own_values)
+    out = _flex()(_fold(query, b // n, n), keys, values, block_mask=plan.mask, scale=scaling, enable_gqa=True)
     return _unfold(out, n, r)
 
 
