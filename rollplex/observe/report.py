@@ -86,6 +86,8 @@ def _step_axis(ax, **labels: str) -> None:
 def rewards_figure(rows: Sequence[dict]) -> Figure | None:
     """``reward_mean`` and each ``reward/<fn>`` vs step (8×4.5 in); None when none is present."""
     keys = [k for k in ["reward_mean", *keys_with_prefix(rows, "reward/")] if series(rows, k)[0]]
+    # A single unweighted reward function equals the mean: draw it once.
+    keys = [k for k in keys if k == "reward_mean" or series(rows, k) != series(rows, "reward_mean")]
     if not keys:
         return None
     fig = Figure(figsize=(8, 4.5))
