@@ -211,6 +211,17 @@ def suffix_bool_mask(prefix_lens: torch.Tensor, p_max: int, group_size: int, len
     return (own[None, :, :] | prefix[:, None, :])[:, None]
 
 
+def suffix_additive_mask(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The bool mask as an additive mask (0 / -inf) in the attention dtype, built once per suffix pass:
+    its key dimension is allocated rounded up to a multiple of 16 and sliced back, so SDPA's
+    memory-efficient kernel uses it as is instead of converting and padding a copy in every layer."""
+    kv = allowed.shape[-1]
+    padded = torch.zeros((*allowed.shape[:-1], -(-kv // 16) * 16), dtype=dtype, device=allowed.device)
+    mask = padded[..., :kv]
+    mask.masked_fill_(~allowed, float("-inf"))
+    return mask
+
+
 def sdpa_shared_prefix_attention(query, own_keys, own_values, plan: SuffixPlan, layer: int, scaling):
     """Suffix attention as one masked SDPA call per layer: per group, the N suffixes form one query
     sequence of N·R tokens against [boundary KV ; N·R own keys] with ``suffix_bool_mask``. The boundary

@@ -26,6 +26,7 @@ from rollplex.models.attention import (
     PrefixPlan,
     SuffixPlan,
     register,
+    suffix_additive_mask,
     suffix_block_mask,
     suffix_bool_mask,
 )
@@ -214,9 +215,12 @@ def suffix_logprobs(
         return first, ent
     backend = suffix_backend(responses.device)
     plan = SuffixPlan(prefix.keys, prefix.values, prefix.prompt_lens, group_size, backend)
-    if backend != "dense":
-        build = suffix_bool_mask if backend == "sdpa" else suffix_block_mask
-        plan.mask = build(prefix.prompt_lens, prefix.keys[0].shape[2], group_size, length - 1)
+    p_max = prefix.keys[0].shape[2]
+    if backend == "sdpa":
+        allowed = suffix_bool_mask(prefix.prompt_lens, p_max, group_size, length - 1)
+        plan.mask = suffix_additive_mask(allowed, prefix.keys[0].dtype)
+    elif backend == "flex":
+        plan.mask = suffix_block_mask(prefix.prompt_lens, p_max, group_size, length - 1)
     embeds = lm.embed_tokens(responses[:, :-1])
     positions = response_positions(prefix.next_position, length - 1, group_size)
     hidden = _decoder(model, embeds, positions, plan)

@@ -23,6 +23,17 @@ from dataclasses import dataclass
 
 import torch
 
+_STREAMS: dict[tuple[int, int], torch.cuda.Stream] = {}
+
+
+def side_stream(device: torch.device, priority: int = 0) -> torch.cuda.Stream:
+    """The worker stream of ``device`` at ``priority``, created once and reused every step (the caching
+    allocator reuses freed memory only on the stream that allocated it)."""
+    key = (device.index if device.index is not None else torch.cuda.current_device(), priority)
+    if key not in _STREAMS:
+        _STREAMS[key] = torch.cuda.Stream(device, priority=priority)
+    return _STREAMS[key]
+
 
 def stream_sync(device: torch.device) -> None:
     """Wait for the current stream of ``device`` only (not the whole device)."""
@@ -50,7 +61,7 @@ class SideWork:
 
     def __init__(self, fn: Callable[[], object], device: torch.device, priority: int = 0):
         self.fn, self.device = fn, device
-        self.stream = torch.cuda.Stream(device, priority=priority) if device.type == "cuda" else None
+        self.stream = side_stream(device, priority) if device.type == "cuda" else None
         self._thread = threading.Thread(target=self._run, name="rollplex-prefix", daemon=True)
         self._result: SideResult | None = None
         self._error: BaseException | None = None
@@ -71,6 +82,10 @@ class SideWork:
                 self._result = SideResult(value, start, time.perf_counter())
         except BaseException as err:  # handed to the main thread by join()
             self._error = err
+
+    def wait(self) -> None:
+        """Wait for the worker without taking its result (when the main thread failed)."""
+        self._thread.join()
 
     def join(self, consumers: Callable[[SideResult], list[torch.Tensor]] = lambda r: []) -> SideResult:
         """Wait for the worker; make the current stream wait for its stream and mark the tensors that

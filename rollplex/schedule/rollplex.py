@@ -21,6 +21,8 @@ from __future__ import annotations
 
 import time
 
+import torch
+
 from rollplex.models.forward import detach_prefix, merge_prefixes, prefix_states
 from rollplex.phases import (
     ActorStats,
@@ -51,7 +53,7 @@ def _prefixes(roles: Roles, prompts: list[Prompt], actor: bool) -> Prefixes:
 def _boundary_tensors(result: SideResult) -> list:
     reference, actor = result.value
     states = ([reference] if reference is not None else []) + (actor or [])
-    return [t for s in states for t in (*s.keys, *s.values, s.last_logprobs)]
+    return [t for s in states for t in (*s.keys, *s.values, s.last_logprobs, s.prompt_lens, s.next_position)]
 
 
 def phase1(
@@ -64,7 +66,8 @@ def phase1(
         with timer.phase("prefix"):
             kwargs = {"temperature": roles.score_temperature, "banned_ids": roles.banned_ids}
             actor = prefix_states(roles.actor, prompts, attached=True, **kwargs)
-        seed = detach_prefix(merge_prefixes(actor))
+        with torch.no_grad():
+            seed = merge_prefixes([detach_prefix(state) for state in actor])
     side = lambda: _prefixes(roles, prompts, actor=actor is None)  # noqa: E731
     n, sampling = cfg.rollout.group_size, roles.sampling
     if not cfg.run.overlap:
@@ -75,7 +78,11 @@ def phase1(
         return rollout, reference, actor if actor is not None else side_actor
     start = timer.now()
     worker = SideWork(side, device).start()
-    rollout = rollout_phase(roles, prompts, n, sampling, prefix=seed)
+    try:
+        rollout = rollout_phase(roles, prompts, n, sampling, prefix=seed)
+    except BaseException:
+        worker.wait()  # never leave prefix work running against θ_k behind an error
+        raise
     stream_sync(device)
     decode_end = time.perf_counter()
     result = worker.join(_boundary_tensors)
