@@ -84,7 +84,9 @@ class RunConfig:
     )
     progress: bool = _field(True, "show a progress bar with ETA")
     log_every: int = _field(
-        10, "steps between one-line metrics summaries in the log (always written to metrics.jsonl)", ge=1
+        10,
+        "steps between one-line metrics summaries in the log when run.progress is off (metrics.jsonl has every step)",
+        ge=1,
     )
 
 

@@ -315,7 +315,7 @@ def train(cfg: Config, resume: bool = False, overwrite: bool = False) -> Path:
         record.update(evaluation)
         metrics.write(record)
         bar.update(record)
-        if step % cfg.run.log_every == 0 or step == cfg.run.steps:
+        if not cfg.run.progress and (step % cfg.run.log_every == 0 or step == cfg.run.steps):
             log.info(_log_line(record))
         if _should_save(cfg, step):
             save_checkpoint(
