@@ -39,15 +39,27 @@ from rollplex.types import PrefixState, Prompt, RolloutBatch, ScoredBatch
 Prefixes = tuple[PrefixState | None, list[PrefixState] | None]
 
 
+def _actor_prefixes(roles: Roles, prompts: list[Prompt]) -> list[PrefixState]:
+    """The attached actor prefix of every group under θ_k."""
+    return prefix_states(
+        roles.actor, prompts, temperature=roles.score_temperature, banned_ids=roles.banned_ids, attached=True
+    )
+
+
 def _prefixes(roles: Roles, prompts: list[Prompt], actor: bool) -> Prefixes:
     """Phase-1 prompt work: the merged reference prefix (or None without KL) and, if ``actor``, the
     attached actor prefix of every group."""
-    kwargs = {"temperature": roles.score_temperature, "banned_ids": roles.banned_ids}
     reference = None
     if uses_reference(roles):
-        reference = merge_prefixes(prefix_states(roles.reference, prompts, attached=False, **kwargs))
-    actor_states = prefix_states(roles.actor, prompts, attached=True, **kwargs) if actor else None
-    return reference, actor_states
+        states = prefix_states(
+            roles.reference,
+            prompts,
+            temperature=roles.score_temperature,
+            banned_ids=roles.banned_ids,
+            attached=False,
+        )
+        reference = merge_prefixes(states)
+    return reference, _actor_prefixes(roles, prompts) if actor else None
 
 
 def _boundary_tensors(result: SideResult) -> list:
@@ -56,26 +68,18 @@ def _boundary_tensors(result: SideResult) -> list:
     return [t for s in states for t in (*s.keys, *s.values, s.last_logprobs, s.prompt_lens, s.next_position)]
 
 
-def phase1(
-    roles: Roles, prompts: list[Prompt], timer
-) -> tuple[RolloutBatch, PrefixState | None, list[PrefixState]]:
-    """Rollout plus the reference and actor prefixes; returns (rollout, reference prefix, actor prefixes)."""
+def _decode_with_side_work(
+    roles: Roles, prompts: list[Prompt], seed, side, timer
+) -> tuple[RolloutBatch, Prefixes]:
+    """Decode on the main thread while ``side()`` runs on the worker (``run.overlap``), or one after the
+    other; returns the rollout and what ``side()`` produced."""
     cfg, device = roles.config, roles.banned_ids.device
-    actor, seed = None, None
-    if cfg.run.prefill_fusion:
-        with timer.phase("prefix"):
-            kwargs = {"temperature": roles.score_temperature, "banned_ids": roles.banned_ids}
-            actor = prefix_states(roles.actor, prompts, attached=True, **kwargs)
-        with torch.no_grad():
-            seed = merge_prefixes([detach_prefix(state) for state in actor])
-    side = lambda: _prefixes(roles, prompts, actor=actor is None)  # noqa: E731
     n, sampling = cfg.rollout.group_size, roles.sampling
     if not cfg.run.overlap:
         with timer.phase("prefix"):
-            reference, side_actor = side()
+            prefixes = side()
         with timer.phase("rollout"):
-            rollout = rollout_phase(roles, prompts, n, sampling, prefix=seed)
-        return rollout, reference, actor if actor is not None else side_actor
+            return rollout_phase(roles, prompts, n, sampling, prefix=seed), prefixes
     start = timer.now()
     worker = SideWork(side, device).start()
     try:
@@ -88,8 +92,22 @@ def phase1(
     result = worker.join(_boundary_tensors)
     timer.record("rollout", start, decode_end, "decode")
     timer.record("prefix", result.start, result.end, "prefix")
-    reference, side_actor = result.value
-    return rollout, reference, actor if actor is not None else side_actor
+    return rollout, result.value
+
+
+def phase1(
+    roles: Roles, prompts: list[Prompt], timer
+) -> tuple[RolloutBatch, PrefixState | None, list[PrefixState]]:
+    """Rollout plus the reference and actor prefixes; returns (rollout, reference prefix, actor prefixes)."""
+    fused, seed = None, None
+    if roles.config.run.prefill_fusion:
+        with timer.phase("prefix"):
+            fused = _actor_prefixes(roles, prompts)
+        with torch.no_grad():
+            seed = merge_prefixes([detach_prefix(state) for state in fused])
+    side = lambda: _prefixes(roles, prompts, actor=fused is None)  # noqa: E731
+    rollout, (reference, actor) = _decode_with_side_work(roles, prompts, seed, side, timer)
+    return rollout, reference, fused if fused is not None else actor
 
 
 def rollplex_step(
