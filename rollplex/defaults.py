@@ -52,12 +52,8 @@ def _build_once(target: Path, build) -> Path:
 
 def prepare_default(root: Path | None = None) -> tuple[Path, Path]:
     """Create (once) the tiny checkpoint and the synthetic dataset; returns (model folder, data folder)."""
-    from transformers.utils import logging as hf_logging
-
     from rollplex.data.synth import generate_dataset
     from rollplex.models.presets import init_checkpoint
-
-    hf_logging.disable_progress_bar()
 
     base = (root or cache_root()) / CACHE_VERSION
     model = _build_once(base / "model", lambda out: init_checkpoint("tiny", out, seed=SEED))

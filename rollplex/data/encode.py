@@ -18,7 +18,7 @@ from PIL import Image
 
 from rollplex.data.prompts import chat_messages
 from rollplex.data.records import media_path
-from rollplex.data.vision import ImageSampling, MediaError, VideoSampling, read_image, read_video
+from rollplex.data.vision import ImageSampling, VideoSampling, read_image, read_video
 from rollplex.models.positions import VisionTokens, rope_positions
 from rollplex.types import Prompt, Record, VisualInput
 
@@ -52,7 +52,7 @@ class PromptBuilder:
             if record.data_type == "video":
                 return read_video(path, self.video)
             return read_image(path, self.image)
-        except (MediaError, OSError, ValueError, Image.DecompressionBombError) as err:
+        except (OSError, ValueError, Image.DecompressionBombError) as err:  # MediaError is a ValueError
             raise SkipSample(f"unreadable {record.data_type} {record.path}: {err}") from err
 
     def build(self, record: Record) -> Prompt:
