@@ -14,6 +14,7 @@ Examples:
     rollplex report runs/rollplex
     rollplex bench prefix --out results/prefix.json
     rollplex bench schedule --out results/schedule.json
+    rollplex bench decode --out results/decode.json
 """
 
 from __future__ import annotations
@@ -131,7 +132,19 @@ def _bench_schedule(args: argparse.Namespace) -> None:
     options = {name: getattr(args, name) for name in fields if getattr(args, name) is not None}
     if args.rows is not None:
         options["rows"] = tuple(row.strip() for row in args.rows.split(","))
+    if args.compile_decode:
+        options["compile_decode"] = True
     run_schedule_bench(ScheduleBenchConfig(**options), args.out)
+
+
+def _bench_decode(args: argparse.Namespace) -> None:
+    from rollplex.bench.decode import DecodeBenchConfig, run_decode_bench
+
+    fields = ("preset", "groups", "group_size", "response_tokens", "text_tokens", "grid", "dtype")
+    options = {name: getattr(args, name) for name in fields if getattr(args, name) is not None}
+    if args.variants is not None:
+        options["variants"] = tuple(v.strip() for v in args.variants.split(","))
+    run_decode_bench(DecodeBenchConfig(**options), args.out)
 
 
 def _add_workload_arguments(p: argparse.ArgumentParser) -> None:
@@ -158,9 +171,18 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     p = bench.add_parser("schedule", help="serial vs rollplex schedules on one training workload")
     _add_workload_arguments(p)
     p.add_argument("--warmup", type=int, help="discarded warm-up iterations per schedule (default 1)")
-    p.add_argument("--steps", type=int, help="timed iterations per schedule (default 3)")
-    p.add_argument("--rows", help="comma-separated subset of serial,overlap,fusion,both (default all)")
+    p.add_argument("--steps", type=int, help="timed iterations per schedule (default 2)")
+    p.add_argument(
+        "--rows",
+        help="comma-separated rows among serial,overlap,fusion,both,auto,both-same-priority,both-chunked,"
+        "both-carveout (default serial,overlap,fusion,both,auto)",
+    )
+    p.add_argument("--compile-decode", action="store_true", help="torch.compile the decode step")
     p.set_defaults(handler=_bench_schedule)
+    p = bench.add_parser("decode", help="the decode step against its memory roofline")
+    _add_workload_arguments(p)
+    p.add_argument("--variants", help="comma-separated subset of eager,graphs,graphs+compile (default all)")
+    p.set_defaults(handler=_bench_decode)
 
 
 def _add_train(sub: argparse._SubParsersAction) -> None:

@@ -72,15 +72,32 @@ class RunConfig:
     deterministic: bool = _field(False, "use deterministic torch algorithms (slower)")
     schedule: str = _field(
         "serial",
-        "phase schedule of one iteration: serial (phases one after another) or rollplex (reference and "
-        "actor prefixes computed before the responses exist and kept for their suffixes)",
-        choices=("serial", "rollplex"),
+        "phase schedule of one iteration: serial (phases one after another), rollplex (reference and "
+        "actor prefixes computed before the responses exist, during decode, and kept for their "
+        "suffixes) or auto (rollplex with prefill fusion; the first steps try each co-running policy "
+        "and keep the fastest, running the prefixes after decode when that is fastest)",
+        choices=("serial", "rollplex", "auto"),
     )
     prefill_fusion: bool = _field(
         False, "rollplex schedule: the actor's attached prefix under the current weights also seeds decode"
     )
     overlap: bool = _field(
         True, "rollplex schedule: run the Phase-1 prefixes on a worker thread (own CUDA stream) during decode"
+    )
+    decode_priority: bool = _field(
+        True, "rollplex overlap: decode runs on a high-priority CUDA stream, the prefixes on a normal one"
+    )
+    prefix_chunk_groups: int = _field(
+        0,
+        "rollplex overlap: groups of prefix work issued at a time; the worker waits for each chunk to "
+        "finish before issuing the next, so queued prefix kernels never crowd decode (0 = all at once)",
+        ge=0,
+    )
+    prefix_sm_carveout: int = _field(
+        0,
+        "rollplex overlap: streaming multiprocessors kept free of the prefixes' matrix products (cuBLAS "
+        "SM carve-out) while the worker runs; 0 = off",
+        ge=0,
     )
     progress: bool = _field(True, "show a progress bar with ETA")
     log_every: int = _field(
@@ -129,6 +146,13 @@ class RolloutConfig:
     temperature: float = _field(1.0, "sampling temperature; log-probs use log_softmax(logits/T)", gt=0)
     top_p: float = _field(1.0, "nucleus sampling mass, in (0, 1]", gt=0, le=1)
     top_k: int = _field(0, "sample from the k most likely tokens; 0 = off", ge=0)
+    cuda_graphs: bool = _field(True, "replay the decode step as CUDA graphs (CUDA only)")
+    compile_decode: bool = _field(
+        False, "compile the decode step's layer function with torch.compile before capture (CUDA only)"
+    )
+    graph_window: int = _field(
+        128, "own-key window of the captured decode steps, tokens (one graph per window)", ge=1
+    )
 
 
 @dataclass(kw_only=True)
@@ -366,10 +390,10 @@ def _check_conflicts(cfg: Config) -> None:
 
 def _check_schedule(cfg) -> None:
     """The rollplex schedule keeps prefixes computed under θ_k: one update per rollout batch."""
-    if cfg.run.schedule == "rollplex" and cfg.algo.mini_batches != 1:
+    if cfg.run.schedule != "serial" and cfg.algo.mini_batches != 1:
         why = "the rollplex schedule keeps actor prefixes of θ_k, so it allows one update per rollout batch"
         raise _conflict("run.schedule", cfg.run.schedule, "algo.mini_batches", cfg.algo.mini_batches, why)
-    if cfg.run.prefill_fusion and cfg.run.schedule != "rollplex":
+    if cfg.run.prefill_fusion and cfg.run.schedule == "serial":
         why = "prefill fusion is part of the rollplex schedule"
         raise _conflict("run.prefill_fusion", True, "run.schedule", cfg.run.schedule, why)
 

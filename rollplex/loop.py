@@ -11,6 +11,7 @@ import os
 import random
 import shutil
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -43,8 +44,7 @@ from rollplex.observe.metrics import MetricsWriter, PhaseTimer, ProgressBar, wri
 from rollplex.optim import MasterWeightAdamW, learning_rate
 from rollplex.phases import ActorStats, Roles, rollout_phase
 from rollplex.rollout.engine import SamplingParams
-from rollplex.schedule.rollplex import rollplex_step
-from rollplex.schedule.serial import serial_step
+from rollplex.schedule import make_step
 from rollplex.types import ScoredBatch
 
 log = logging.getLogger("rollplex")
@@ -118,6 +118,7 @@ class Run:
     val: PromptSource | None
     malformed: int
     device: torch.device
+    step_fn: Callable | None = None  # the schedule's step (schedule.make_step); set by build_run
 
 
 def build_run(cfg: Config) -> Run:
@@ -141,10 +142,7 @@ def build_run(cfg: Config) -> Run:
         actor.train(True)
     reference = load_model(cfg.model.path, dtype, device, trainable=False) if cfg.algo.kl_coef > 0 else None
     banned, eos_ids, pad = special_ids(actor, processor.tokenizer, cfg.model.path)
-    r = cfg.rollout
-    sampling = SamplingParams(
-        r.temperature, r.top_p, r.top_k, r.max_response_tokens, eos_ids, pad, banned.to(device)
-    )
+    sampling = SamplingParams.from_config(cfg.rollout, eos_ids, pad, banned.to(device))
     o = cfg.optim
     params = [p for p in actor.parameters() if p.requires_grad]
     optimizer = MasterWeightAdamW(
@@ -156,7 +154,10 @@ def build_run(cfg: Config) -> Run:
     val_source = None
     if cfg.data.val_path:
         val_source, _ = build_source(cfg, cfg.data.val_path, processor, actor, shuffle=False)
-    return Run(cfg, Path(cfg.run.out_dir), roles, processor, train_source, val_source, malformed, device)
+    step_fn = make_step(cfg, device)
+    return Run(
+        cfg, Path(cfg.run.out_dir), roles, processor, train_source, val_source, malformed, device, step_fn
+    )
 
 
 def seed_everything(seed: int) -> None:
@@ -374,9 +375,8 @@ def _train_step(run: Run, step: int, timer) -> dict:
     start = time.perf_counter()
     with timer.phase("data"):
         prompts = run.train.next_batch()
-    step_fn = rollplex_step if cfg.run.schedule == "rollplex" else serial_step
-    scored, stats, norms = step_fn(run.roles, prompts, timer)
-    record = {"step": step + 1, **step_metrics(scored, stats, norms)}
+    scored, stats, norms, schedule_metrics = run.step_fn(run.roles, prompts, timer)
+    record = {"step": step + 1, **step_metrics(scored, stats, norms), **schedule_metrics}
     record.update(timer.pop())
     record["time/step"] = time.perf_counter() - start
     record["skipped_samples"] = len(run.train.skipped) + run.malformed

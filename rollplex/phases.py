@@ -12,6 +12,7 @@ the order and concurrency of these calls; the functions themselves never synchro
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -56,9 +57,11 @@ def rollout_phase(
     group_size: int,
     sampling: SamplingParams,
     prefix: PrefixState | None = None,
+    before_decode: Callable[[], None] | None = None,
 ) -> RolloutBatch:
     """N samples per prompt under θ_k, from ``prefix`` (a detached boundary, e.g. the actor's under
-    prefill fusion) or from a rollout prefix computed here (no graph)."""
+    prefill fusion) or from a rollout prefix computed here (no graph); ``before_decode`` runs once the
+    decode step is ready (rollout.engine.generate)."""
     temperature = sampling.temperature if sampling.temperature > 0 else 1.0
     if prefix is None:
         prefix = prefix_forward(
@@ -72,6 +75,7 @@ def rollout_phase(
         params=sampling,
         tokenizer=roles.tokenizer,
         generator=roles.generator,
+        before_decode=before_decode,
     )
 
 

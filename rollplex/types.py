@@ -129,6 +129,30 @@ class PrefixState:
 
 
 @dataclass
+class DecodeTimeline:
+    """Host clock (``time.perf_counter`` s) at the decode loop's synchronisation points.
+
+    ``marks`` are (tokens decoded so far, seconds) pairs: the first after the step graphs exist and the
+    device caught up, then one at every EOS check and one at the end. They time decode without adding
+    synchronisation, and tell how fast decode ran before and after concurrent work ended (Eq. 1's ΔD).
+    """
+
+    marks: list[tuple[int, float]] = field(default_factory=list)
+
+    @property
+    def start(self) -> float:
+        return self.marks[0][1] if self.marks else float("nan")
+
+    @property
+    def end(self) -> float:
+        return self.marks[-1][1] if self.marks else float("nan")
+
+    @property
+    def steps(self) -> int:
+        return self.marks[-1][0] if self.marks else 0
+
+
+@dataclass
 class RolloutBatch:
     """N sampled responses for each of G prompts.
 
@@ -141,6 +165,7 @@ class RolloutBatch:
             0 at padding.
         texts: decoded responses (special tokens skipped), length B.
         truncated: bool [B], True when the budget ran out before an EOS.
+        timeline: when the decode loop reached its synchronisation points (empty if not recorded).
 
     Example:
         RolloutBatch(prompts=[p0, p1], group_size=2, responses=ids[4, 6], response_lens=tensor([3, 6, 2, 4]),
@@ -154,6 +179,7 @@ class RolloutBatch:
     logprobs: torch.Tensor
     texts: list[str]
     truncated: torch.Tensor
+    timeline: DecodeTimeline = field(default_factory=DecodeTimeline)
 
     def response_mask(self) -> torch.Tensor:
         """bool [B, R], True at real response tokens (from ``response_lens``)."""

@@ -1,12 +1,14 @@
 #!/usr/bin/env bash
-# GPU tests and benchmarks in one call. Usage: scripts/gpu_suite.sh [tests] [train] [prefix] [schedule]
+# GPU tests and benchmarks in one call. Usage: scripts/gpu_suite.sh [tests] [train] [prefix] [decode] [schedule]
 # (no argument = all). Results go under $OUT (default ./gpu-results): logs, metrics and JSON tables.
+# SCHEDULE_ROWS picks the rows of the schedule benchmark (default: rollplex bench schedule's default rows);
+# SCHEDULE_NAME names its output files (default bench-schedule).
 # Wheels missing from the GPU image (PyAV, rouge-score, nltk) are installed from .whl/ when present.
 set -uo pipefail
 OUT=${OUT:-gpu-results}
 WORK=${WORK:-/tmp/rollplex-gpu}
 mkdir -p "$OUT" "$WORK"
-stages=${*:-tests train prefix schedule}
+stages=${*:-tests train prefix decode schedule}
 if compgen -G ".whl/*.whl" >/dev/null; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
     && export PYTHONPATH=/tmp/site
@@ -32,10 +34,12 @@ for stage in $stages; do
       cp "$WORK/run-3b/metrics.jsonl" "$OUT/train-metrics.jsonl" 2>/dev/null ;;
     prefix)
       rollplex bench prefix --out "$OUT/bench-prefix.json" 2>&1 | tee "$OUT/bench-prefix.log" || status=1 ;;
+    decode)
+      rollplex bench decode --out "$OUT/bench-decode.json" 2>&1 | tee "$OUT/bench-decode.log" || status=1 ;;
     schedule)
-      if python3 -c "import rollplex.bench.schedule" 2>/dev/null; then
-        rollplex bench schedule --out "$OUT/bench-schedule.json" 2>&1 | tee "$OUT/bench-schedule.log" || status=1
-      fi ;;
+      name=${SCHEDULE_NAME:-bench-schedule}
+      rollplex bench schedule ${SCHEDULE_ROWS:+--rows "$SCHEDULE_ROWS"} --out "$OUT/$name.json" 2>&1 \
+        | tee "$OUT/$name.log" || status=1 ;;
   esac
 done
 exit $status

@@ -28,7 +28,8 @@ from rollplex.config import (
 SPEC_DEFAULTS = {
     "run": {
         "out_dir": "runs/rollplex", "seed": 0, "steps": 100, "save_every": 50, "keep_checkpoints": 2,
-        "device": "auto", "dtype": "auto", "deterministic": False, "schedule": "serial", "prefill_fusion": False, "overlap": True, "progress": True,
+        "device": "auto", "dtype": "auto", "deterministic": False, "schedule": "serial", "prefill_fusion": False, "overlap": True,
+        "decode_priority": True, "prefix_chunk_groups": 0, "prefix_sm_carveout": 0, "progress": True,
         "log_every": 10,
     },
     "model": {"path": "", "freeze_vision": False, "gradient_checkpointing": False},
@@ -41,6 +42,9 @@ SPEC_DEFAULTS = {
     "rollout": {
         "group_size": 8, "prompts_per_step": 8, "max_response_tokens": 768, "temperature": 1.0, "top_p": 1.0,
         "top_k": 0,
+        "cuda_graphs": True,
+        "compile_decode": False,
+        "graph_window": 128,
     },
     "algo": {
         "normalize_std": True, "clip_low": 0.2, "clip_high": 0.28, "kl_coef": 0.04, "kl_estimator": "k3",

@@ -3,15 +3,15 @@
 Legend: B rows (= G·N), G groups, N group size, H query heads, Hkv key/value heads, Q query length,
 P_max padded prefix length, S suffix key length, D head dim.
 
-One function serves three modes, chosen by the plan object passed down the model's forward as the
+One function serves two modes, chosen by the plan object passed down the model's forward as the
 keyword ``rollplex_plan`` (transformers forwards unknown keywords to the attention interface):
 
     PrefixPlan   prompt prefill of one group: causal attention; the layer's keys/values (after RoPE)
                  are recorded as boundary KV, attached to autograd when the caller is.
     SuffixPlan   N responses per group attend to their group's boundary KV (read once, never copied
                  N times) and causally to their own tokens. Used for reference/actor scoring.
-    DecodePlan   one new token per row; its key/value is written into a static per-row cache and the
-                 query attends to the shared boundary KV plus the cache.
+
+Decode (one new token per row) has its own static-shape step in rollout.decode.
 
 The suffix math is exact: scores against the prefix and against the suffix are concatenated before a
 single softmax, which is the same arithmetic a full-sequence causal forward performs. This dense path
@@ -58,27 +58,13 @@ class SuffixPlan:
     mask: object | None = None
 
 
-@dataclass
-class DecodePlan(SuffixPlan):
-    """Shared-prefix decoding with a static cache of generated tokens.
-
-    Fields (besides SuffixPlan's):
-        cache_keys, cache_values: per layer [B, Hkv, R, D], written in place at index ``step``.
-        step: index of the token being decoded (0-based response position of the query).
-    """
-
-    cache_keys: list[torch.Tensor] = field(default_factory=list)
-    cache_values: list[torch.Tensor] = field(default_factory=list)
-    step: int = 0
-
-
 def rollplex_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
     """Attention interface entry point (transformers ``AttentionInterface`` contract).
 
     Args:
         query: [B, H, Q, D] after RoPE; key, value: [B, Hkv, Q, D] of the new tokens.
         attention_mask: ignored (always None here: masks are implied by the plan).
-        kwargs["rollplex_plan"]: PrefixPlan | SuffixPlan | DecodePlan.
+        kwargs["rollplex_plan"]: PrefixPlan | SuffixPlan.
 
     Returns:
         (output [B, Q, H, D], None).
@@ -94,18 +80,11 @@ def rollplex_attention(module, query, key, value, attention_mask, scaling=None, 
             query, key, value, is_causal=True, scale=scaling, enable_gqa=True
         )
         return out.transpose(1, 2), None
-    if isinstance(plan, DecodePlan):
-        plan.cache_keys[layer][:, :, plan.step] = key[:, :, 0]
-        plan.cache_values[layer][:, :, plan.step] = value[:, :, 0]
-        own_k = plan.cache_keys[layer][:, :, : plan.step + 1]
-        own_v = plan.cache_values[layer][:, :, : plan.step + 1]
-        out = shared_prefix_attention(query, own_k, own_v, plan, layer, scaling, causal_offset=plan.step)
-        return out, None
     if plan.backend == "sdpa":
         return sdpa_shared_prefix_attention(query, key, value, plan, layer, scaling), None
     if plan.backend == "flex":
         return flex_shared_prefix_attention(query, key, value, plan, layer, scaling), None
-    return shared_prefix_attention(query, key, value, plan, layer, scaling, causal_offset=0), None
+    return shared_prefix_attention(query, key, value, plan, layer, scaling), None
 
 
 def shared_prefix_attention(
@@ -115,13 +94,11 @@ def shared_prefix_attention(
     plan: SuffixPlan,
     layer: int,
     scaling: float,
-    causal_offset: int,
 ) -> torch.Tensor:
     """Dense exact attention of suffix queries over [group prefix ; own tokens].
 
     Args:
-        query: [B, H, Q, D]; own_keys/own_values: [B, Hkv, S, D] with query i at own position
-            ``causal_offset + i`` (it sees own keys 0..causal_offset+i).
+        query: [B, H, Q, D]; own_keys/own_values: [B, Hkv, Q, D]; query i sees own keys 0..i.
         plan: carries the group's boundary KV [G, Hkv, P_max, D] and prefix lengths.
 
     Returns:
@@ -139,8 +116,9 @@ def shared_prefix_attention(
     own_k6 = own_keys.reshape(g, n, hkv, 1, -1, d)
     s_own = torch.einsum("gnkrqd,gnkzsd->gnkrqs", q6, own_k6) * scaling
     s_len = own_keys.shape[2]
-    future = torch.arange(s_len, device=query.device)[None, :] > (
-        torch.arange(q_len, device=query.device)[:, None] + causal_offset
+    future = (
+        torch.arange(s_len, device=query.device)[None, :]
+        > (torch.arange(q_len, device=query.device)[:, None])
     )
     s_own = s_own.masked_fill(future, float("-inf"))
     softmax_dtype = torch.promote_types(query.dtype, torch.float32)

@@ -22,7 +22,6 @@ from torch.utils.checkpoint import checkpoint
 
 from rollplex.models.attention import (
     ATTENTION_NAME,
-    DecodePlan,
     PrefixPlan,
     SuffixPlan,
     register,
@@ -283,15 +282,3 @@ def _entropy_chunked(model, hidden, temperature, banned_ids) -> torch.Tensor:
     return torch.cat(
         [entropy_of(token_logprobs(model.lm_head(hidden[r]), temperature, banned_ids)) for r in chunks]
     )
-
-
-def decode_logits(model, tokens: torch.Tensor, plan: DecodePlan, next_position: torch.Tensor) -> torch.Tensor:
-    """One decode step: logits [B, V] (model dtype) for the next token after ``tokens`` (int64 [B]).
-
-    ``tokens`` sits at response position ``plan.step``; its key/value is written into the plan's cache.
-    """
-    lm = model.model.language_model
-    embeds = lm.embed_tokens(tokens[:, None])
-    positions = response_positions(next_position + plan.step, 1, plan.group_size)
-    hidden = _decoder(model, embeds, positions, plan)
-    return model.lm_head(hidden[:, 0])

@@ -4,8 +4,9 @@ Legend: G groups, N group size, B = G·N rows, R response budget, Hkv key/value 
 
 The prompt of a group is prefilled once (models.forward.prefix_forward, the rollout prefix) and its
 boundary KV is read by all N samples without being copied; generated tokens go into a static
-[B, Hkv, R, D] cache per layer. Sampling happens on the device; the host looks at the tokens only every
-``eos_check_every`` steps to stop early once every row has finished.
+[B, Hkv, R, D] cache per layer (rollout.decode.StaticDecoder, replayed as CUDA graphs on CUDA).
+Sampling happens on the device; the host looks at the tokens only every ``eos_check_every`` steps to
+stop early once every row has finished, and records there how far decode has come (``DecodeTimeline``).
 
 Log-probs are recorded with exactly the trainer's definition (rollout.sampler.token_logprobs over the
 full vocabulary at the sampling temperature, vision ids banned: field cases B05, B08). Response lengths
@@ -15,14 +16,15 @@ token values.
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 import torch
 
-from rollplex.models.attention import DecodePlan
-from rollplex.models.forward import decode_logits
+from rollplex.rollout.decode import StaticDecoder
 from rollplex.rollout.sampler import sample_tokens
-from rollplex.types import PrefixState, Prompt, RolloutBatch
+from rollplex.types import DecodeTimeline, PrefixState, Prompt, RolloutBatch
 
 
 @dataclass(frozen=True)
@@ -30,7 +32,10 @@ class SamplingParams:
     """Decoding settings.
 
     Fields: temperature (0 = greedy), top_p in (0, 1], top_k (0 = off), max_tokens R (response budget),
-    eos_ids (any of them ends a response), pad_id (fills finished rows), banned_ids int64 [k].
+    eos_ids (any of them ends a response), pad_id (fills finished rows), banned_ids int64 [k],
+    eos_check_every (tokens between host checks for "every row finished"), cuda_graphs (replay the
+    decode step as CUDA graphs), compile (torch.compile the step before capture), graph_window (own-key
+    window granularity of the captured steps, tokens).
     """
 
     temperature: float
@@ -41,15 +46,27 @@ class SamplingParams:
     pad_id: int
     banned_ids: torch.Tensor
     eos_check_every: int = 16
+    cuda_graphs: bool = True
+    compile: bool = False
+    graph_window: int = 128
 
-
-def _empty_cache(
-    prefix: PrefixState, rows: int, length: int
-) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    shape = (rows, prefix.keys[0].shape[1], length, prefix.keys[0].shape[3])
-    keys = [torch.empty(shape, dtype=k.dtype, device=k.device) for k in prefix.keys]
-    values = [torch.empty(shape, dtype=v.dtype, device=v.device) for v in prefix.values]
-    return keys, values
+    @classmethod
+    def from_config(
+        cls, rollout, eos_ids: tuple[int, ...], pad_id: int, banned_ids: torch.Tensor
+    ) -> SamplingParams:
+        """Settings of a ``RolloutConfig`` (config.rollout) with the model's special ids."""
+        return cls(
+            rollout.temperature,
+            rollout.top_p,
+            rollout.top_k,
+            rollout.max_response_tokens,
+            eos_ids,
+            pad_id,
+            banned_ids,
+            cuda_graphs=rollout.cuda_graphs,
+            compile=rollout.compile_decode,
+            graph_window=rollout.graph_window,
+        )
 
 
 def _sample(logits: torch.Tensor, params: SamplingParams, generator) -> tuple[torch.Tensor, torch.Tensor]:
@@ -63,6 +80,12 @@ def _sample(logits: torch.Tensor, params: SamplingParams, generator) -> tuple[to
     )
 
 
+def _mark(timeline: DecodeTimeline, steps: int, device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.current_stream(device).synchronize()
+    timeline.marks.append((steps, time.perf_counter()))
+
+
 @torch.no_grad()
 def generate(
     model,
@@ -73,6 +96,7 @@ def generate(
     params: SamplingParams,
     tokenizer,
     generator: torch.Generator | None = None,
+    before_decode: Callable[[], None] | None = None,
 ) -> RolloutBatch:
     """Sample ``group_size`` responses for each prompt, continuing from ``prefix`` (detached).
 
@@ -81,9 +105,12 @@ def generate(
             temperature (temperature 1 when greedy).
         tokenizer: decodes responses to text (special tokens skipped).
         generator: device generator for reproducible sampling.
+        before_decode: called once the decode step is ready (graphs captured) and before the first
+            decode step; the Rollplex schedule starts its concurrent prefix work here.
 
     Returns:
-        RolloutBatch with responses int64 [B, R] padded with ``pad_id``, lengths, recorded log-probs.
+        RolloutBatch with responses int64 [B, R] padded with ``pad_id``, lengths, recorded log-probs and
+        the decode timeline.
     """
     rows, budget = prefix.num_groups * group_size, params.max_tokens
     device = prefix.last_logprobs.device
@@ -94,22 +121,39 @@ def generate(
     # The rollout prefix log-probs are already at temperature T: sampling them at T=1 is the same law.
     first_params = params if params.temperature == 0 else replace(params, temperature=1.0)
     token, lp = _sample(prefix.last_logprobs.repeat_interleave(group_size, 0), first_params, generator)
-    cache_k, cache_v = _empty_cache(prefix, rows, budget)
-    plan = DecodePlan(
-        prefix.keys, prefix.values, prefix.prompt_lens, group_size, cache_keys=cache_k, cache_values=cache_v
-    )
-    done = torch.zeros(rows, dtype=torch.bool, device=device)
+    decoder = None
+    if budget > 1:
+        decoder = StaticDecoder(
+            model,
+            prefix,
+            group_size,
+            budget,
+            graphs=params.cuda_graphs,
+            compile=params.compile,
+            window=params.graph_window,
+        )
+        decoder.capture()
+    timeline = DecodeTimeline()
+    _mark(timeline, 0, device)
+    if before_decode is not None:
+        before_decode()
+    done, decoded = torch.zeros(rows, dtype=torch.bool, device=device), 0
     for step in range(budget):
         responses[:, step] = torch.where(done, params.pad_id, token)
         logprobs[:, step] = torch.where(done, 0.0, lp)
         finished_now = ~done & torch.isin(token, eos)
         lengths = torch.where(finished_now, step + 1, lengths)
         done = done | finished_now
-        if step + 1 == budget or ((step + 1) % params.eos_check_every == 0 and bool(done.all())):
+        if step + 1 == budget:
             break
-        plan.step = step
-        logits = decode_logits(model, token, plan, prefix.next_position)
-        token, lp = _sample(logits, params, generator)
+        if (step + 1) % params.eos_check_every == 0:
+            all_done = bool(done.all())
+            timeline.marks.append((decoded, time.perf_counter()))
+            if all_done:
+                break
+        token, lp = _sample(decoder.step(token, step), params, generator)
+        decoded += 1
+    _mark(timeline, decoded, device)
     budget_used = int(lengths.max())
     responses, logprobs = responses[:, :budget_used], logprobs[:, :budget_used]
     texts = [
@@ -124,4 +168,5 @@ def generate(
         logprobs=logprobs,
         texts=texts,
         truncated=~done,
+        timeline=timeline,
     )

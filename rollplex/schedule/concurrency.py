@@ -2,11 +2,20 @@
 
 Who waits on what:
 
-    main thread / decode stream:  [rollout prefix]──[decode ..............]──sync──join──▶ Phase 2
-    worker thread / prefix stream:        └─start──[ref prefix][actor prefix]──sync─┘
-                                                                     join: decode stream waits on the
-                                                                     prefix stream; boundary tensors are
-                                                                     marked as used by the decode stream
+    main thread / decode stream:  [rollout prefix][capture]──[decode ..............]──sync──join──▶ Phase 2
+    worker thread / prefix stream:                   └─start──[ref prefix][actor prefix]──sync─┘
+                                                                     join: the main stream waits on the
+                                                                     decode and prefix streams; boundary
+                                                                     tensors are marked as used by it
+
+Co-running levers (DESIGN.md §4): decode on a high-priority stream (``decode_stream``), the prefix
+work issued in chunks (the caller synchronises the worker stream between chunks), and an SM carve-out
+that keeps the prefix's cuBLAS matrix products off some SMs while the worker runs (``SideWork``'s
+``sm_carveout``; captured decode graphs keep the kernels they were captured with).
+
+Stream-ordered memory: tensors allocated on the decode or worker stream and later used on the main
+stream are safe to free because each Phase 1 starts with those streams waiting on the main stream,
+which orders any reuse of their memory after every earlier main-stream use.
 
 This module is the only place that creates threads or streams for the schedule; model code never
 synchronises. On the CPU the worker is a plain thread (torch releases the GIL inside its kernels), so the
@@ -35,6 +44,35 @@ def side_stream(device: torch.device, priority: int = 0) -> torch.cuda.Stream:
     return _STREAMS[key]
 
 
+def decode_stream(device: torch.device) -> torch.cuda.Stream:
+    """The high-priority stream decode runs on while prefix work co-runs (created once per device)."""
+    return side_stream(device, priority=-1)
+
+
+@contextlib.contextmanager
+def on_stream(stream: torch.cuda.Stream | None):
+    """Run the body on ``stream`` (after the current stream's queued work); the current stream then
+    waits for it. ``None`` runs the body where it is."""
+    if stream is None:
+        yield
+        return
+    current = torch.cuda.current_stream(stream.device)
+    stream.wait_stream(current)
+    try:
+        with torch.cuda.stream(stream):
+            yield
+    finally:
+        current.wait_stream(stream)
+
+
+def set_sm_carveout(sms: int | None) -> None:
+    """Keep ``sms`` streaming multiprocessors free of cuBLAS matrix products launched from now on
+    (None = no carve-out). A no-op where torch lacks the setting."""
+    setter = getattr(torch._C, "_set_sm_carveout_experimental", None)
+    if setter is not None:
+        setter(sms)
+
+
 def stream_sync(device: torch.device) -> None:
     """Wait for the current stream of ``device`` only (not the whole device)."""
     if device.type == "cuda":
@@ -56,12 +94,13 @@ class SideWork:
     Args:
         fn: the work; returns the value ``join`` hands back.
         device: where the work runs.
-        priority: CUDA stream priority of the worker (0 = default; lower numbers are higher priority).
+        sm_carveout: SMs kept free of the work's cuBLAS matrix products while it runs (0 = off, CUDA only).
     """
 
-    def __init__(self, fn: Callable[[], object], device: torch.device, priority: int = 0):
-        self.fn, self.device = fn, device
-        self.stream = side_stream(device, priority) if device.type == "cuda" else None
+    def __init__(self, fn: Callable[[], object], device: torch.device, sm_carveout: int = 0):
+        self.fn, self.device, self.sm_carveout = fn, device, sm_carveout
+        self.stream = side_stream(device) if device.type == "cuda" else None
+        self.started = False
         self._thread = threading.Thread(target=self._run, name="rollplex-prefix", daemon=True)
         self._result: SideResult | None = None
         self._error: BaseException | None = None
@@ -70,22 +109,30 @@ class SideWork:
         if self.stream is not None:
             self.stream.wait_stream(torch.cuda.current_stream(self.device))  # inputs are ready
         self._thread.start()
+        self.started = True
         return self
 
     def _run(self) -> None:
         context = torch.cuda.stream(self.stream) if self.stream is not None else contextlib.nullcontext()
+        carveout = self.sm_carveout > 0 and self.stream is not None
         try:
             with context:
+                if carveout:
+                    set_sm_carveout(self.sm_carveout)
                 start = time.perf_counter()
                 value = self.fn()
                 stream_sync(self.device)
                 self._result = SideResult(value, start, time.perf_counter())
         except BaseException as err:  # handed to the main thread by join()
             self._error = err
+        finally:
+            if carveout:
+                set_sm_carveout(None)
 
     def wait(self) -> None:
-        """Wait for the worker without taking its result (when the main thread failed)."""
-        self._thread.join()
+        """Wait for the worker, if it started, without taking its result (when the main thread failed)."""
+        if self.started:
+            self._thread.join()
 
     def join(self, consumers: Callable[[SideResult], list[torch.Tensor]] = lambda r: []) -> SideResult:
         """Wait for the worker; make the current stream wait for its stream and mark the tensors that

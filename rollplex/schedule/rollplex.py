@@ -1,10 +1,11 @@
 """The Rollplex schedule (paper §2.3, §3.1): prompt-side work inside the decode window, suffixes after.
 
-    Phase 1  rollout decode of N responses per group (critical path, main thread), from its own rollout
-             prefix — or, with prefill fusion (DESIGN.md §3.4), from the actor prefix's detached boundary
-             (one prompt pass fewer);
+    Phase 1  rollout decode of N responses per group (critical path, main thread, high-priority
+             stream), from its own rollout prefix — or, with prefill fusion (DESIGN.md §3.4), from the
+             actor prefix's detached boundary (one prompt pass fewer);
              concurrently (``run.overlap``, schedule.concurrency): reference prefix (detached) and actor
-             prefix (attached) once per group under θ_k, on a worker thread and its own CUDA stream
+             prefix (attached) once per group under θ_k, on a worker thread and its own CUDA stream,
+             started once the decode step is captured
     Phase 2  rewards → advantages; reference suffix scoring against the kept reference boundary;
              actor suffix + backward through the kept actor boundary into prefix, merger and vision
     Phase 3  optimizer step → θ_{k+1}
@@ -14,15 +15,20 @@ backward); a suffix can only start once its responses are fixed and its prefix e
 take the RolloutBatch and the joined worker's PrefixStates as arguments.
 
 The update is the serial schedule's update: same θ_k, responses, prefixes and loss, so on the CPU the
-parameters after any number of steps are bitwise equal to ``serial``'s (tests/schedule).
+parameters after any number of steps are bitwise equal to ``serial``'s (tests/schedule). The co-running
+policy (overlap or not, decode priority, prefix chunks, SM carve-out) changes timing only. The first
+step runs its prefixes after decode, to measure decode alone (Eq. 1's T_D); ``auto`` then tries each
+policy once and keeps the one with the shortest Phase 1.
 """
 
 from __future__ import annotations
 
-import time
+import logging
+from dataclasses import dataclass, replace
 
 import torch
 
+from rollplex.config import Config
 from rollplex.models.forward import detach_prefix, merge_prefixes, prefix_states
 from rollplex.phases import (
     ActorStats,
@@ -33,10 +39,52 @@ from rollplex.phases import (
     rollout_phase,
     uses_reference,
 )
-from rollplex.schedule.concurrency import SideResult, SideWork, stream_sync
+from rollplex.schedule.concurrency import SideResult, SideWork, decode_stream, on_stream, stream_sync
+from rollplex.schedule.eq1 import phase1_terms
 from rollplex.types import PrefixState, Prompt, RolloutBatch, ScoredBatch
 
+log = logging.getLogger(__name__)
+
 Prefixes = tuple[PrefixState | None, list[PrefixState] | None]
+
+
+@dataclass(frozen=True)
+class CoRunPolicy:
+    """How Phase-1 prefix work shares the device with decode (DESIGN.md §4)."""
+
+    overlap: bool = True
+    decode_priority: bool = True
+    chunk_groups: int = 0
+    sm_carveout: int = 0
+
+    @classmethod
+    def from_config(cls, cfg: Config) -> CoRunPolicy:
+        r = cfg.run
+        return cls(r.overlap, r.decode_priority, r.prefix_chunk_groups, r.prefix_sm_carveout)
+
+    @property
+    def name(self) -> str:
+        if not self.overlap:
+            return "sequential"
+        parts = ["overlap", "priority" if self.decode_priority else "same-priority"]
+        parts += [f"chunk{self.chunk_groups}"] if self.chunk_groups else []
+        parts += [f"carveout{self.sm_carveout}"] if self.sm_carveout else []
+        return "+".join(parts)
+
+
+def auto_candidates(device: torch.device) -> list[CoRunPolicy]:
+    """The policies ``auto`` tries: prefixes after decode, overlap with and without decode priority,
+    chunked issue (one group at a time), and an SM carve-out keeping half the SMs free of prefix GEMMs."""
+    candidates = [
+        CoRunPolicy(overlap=False),
+        CoRunPolicy(),
+        CoRunPolicy(decode_priority=False),
+        CoRunPolicy(chunk_groups=1),
+    ]
+    if device.type == "cuda":
+        sms = torch.cuda.get_device_properties(device).multi_processor_count
+        candidates.append(CoRunPolicy(sm_carveout=sms // 2))
+    return candidates
 
 
 def _actor_prefixes(roles: Roles, prompts: list[Prompt]) -> list[PrefixState]:
@@ -46,20 +94,32 @@ def _actor_prefixes(roles: Roles, prompts: list[Prompt]) -> list[PrefixState]:
     )
 
 
-def _prefixes(roles: Roles, prompts: list[Prompt], actor: bool) -> Prefixes:
+def _chunks(prompts: list[Prompt], size: int) -> list[list[Prompt]]:
+    size = size if size > 0 else len(prompts)
+    return [prompts[i : i + size] for i in range(0, len(prompts), size)]
+
+
+def _prefixes(roles: Roles, prompts: list[Prompt], actor: bool, chunk_groups: int) -> Prefixes:
     """Phase-1 prompt work: the merged reference prefix (or None without KL) and, if ``actor``, the
-    attached actor prefix of every group."""
-    reference = None
-    if uses_reference(roles):
-        states = prefix_states(
-            roles.reference,
-            prompts,
-            temperature=roles.score_temperature,
-            banned_ids=roles.banned_ids,
-            attached=False,
-        )
-        reference = merge_prefixes(states)
-    return reference, _actor_prefixes(roles, prompts) if actor else None
+    attached actor prefix of every group; issued ``chunk_groups`` groups at a time (0 = all), waiting
+    for each chunk before the next."""
+    device = roles.banned_ids.device
+    reference_states, actor_states = [], []
+    for chunk in _chunks(prompts, chunk_groups):
+        if uses_reference(roles):
+            reference_states += prefix_states(
+                roles.reference,
+                chunk,
+                temperature=roles.score_temperature,
+                banned_ids=roles.banned_ids,
+                attached=False,
+            )
+        if actor:
+            actor_states += _actor_prefixes(roles, chunk)
+        if chunk_groups:
+            stream_sync(device)
+    reference = merge_prefixes(reference_states) if reference_states else None
+    return reference, actor_states if actor else None
 
 
 def _boundary_tensors(result: SideResult) -> list:
@@ -68,60 +128,139 @@ def _boundary_tensors(result: SideResult) -> list:
     return [t for s in states for t in (*s.keys, *s.values, s.last_logprobs, s.prompt_lens, s.next_position)]
 
 
-def _decode_with_side_work(
-    roles: Roles, prompts: list[Prompt], seed, side, timer
-) -> tuple[RolloutBatch, Prefixes]:
-    """Decode on the main thread while ``side()`` runs on the worker (``run.overlap``), or one after the
-    other; returns the rollout and what ``side()`` produced."""
-    cfg, device = roles.config, roles.banned_ids.device
-    n, sampling = cfg.rollout.group_size, roles.sampling
-    if not cfg.run.overlap:
-        with timer.phase("prefix"):
-            prefixes = side()
-        with timer.phase("rollout"):
-            return rollout_phase(roles, prompts, n, sampling, prefix=seed), prefixes
-    start = timer.now()
-    worker = SideWork(side, device).start()
-    try:
+@dataclass
+class Phase1:
+    """What Phase 1 hands to Phase 2, and how long it took."""
+
+    rollout: RolloutBatch
+    reference: PrefixState | None
+    actor: list[PrefixState]
+    makespan: float
+    prefix_span: tuple[float, float]
+    overlapped: bool
+
+
+def _sequential(roles, prompts, seed, side, timer) -> tuple[RolloutBatch, Prefixes, tuple[float, float]]:
+    n, sampling = roles.config.rollout.group_size, roles.sampling
+    with timer.phase("rollout"):
         rollout = rollout_phase(roles, prompts, n, sampling, prefix=seed)
-    except BaseException:
-        worker.wait()  # never leave prefix work running against θ_k behind an error
-        raise
-    stream_sync(device)
-    decode_end = time.perf_counter()
+    start = timer.now()
+    with timer.phase("prefix"):
+        prefixes = side()
+    return rollout, prefixes, (start, timer.now())
+
+
+def _overlapped(
+    roles, prompts, seed, side, timer, policy
+) -> tuple[RolloutBatch, Prefixes, tuple[float, float]]:
+    """Decode on the main thread while ``side()`` runs on the worker, started once decode is ready."""
+    n, sampling, device = roles.config.rollout.group_size, roles.sampling, roles.banned_ids.device
+    stream = decode_stream(device) if policy.decode_priority and device.type == "cuda" else None
+    worker = SideWork(side, device, sm_carveout=policy.sm_carveout)
+    start = timer.now()
+    with on_stream(stream):
+        try:
+            rollout = rollout_phase(roles, prompts, n, sampling, prefix=seed, before_decode=worker.start)
+        except BaseException:
+            worker.wait()  # never leave prefix work running against θ_k behind an error
+            raise
+        stream_sync(device)
     result = worker.join(_boundary_tensors)
-    timer.record("rollout", start, decode_end, "decode")
+    timer.record("rollout", start, rollout.timeline.end, "decode")
     timer.record("prefix", result.start, result.end, "prefix")
-    return rollout, result.value
+    return rollout, result.value, (result.start, result.end)
 
 
-def phase1(
-    roles: Roles, prompts: list[Prompt], timer
-) -> tuple[RolloutBatch, PrefixState | None, list[PrefixState]]:
-    """Rollout plus the reference and actor prefixes; returns (rollout, reference prefix, actor prefixes)."""
+def phase1(roles: Roles, prompts: list[Prompt], timer, policy: CoRunPolicy) -> Phase1:
+    """Rollout plus the reference and actor prefixes under ``policy``."""
+    start = timer.now()
     fused, seed = None, None
-    if roles.config.run.prefill_fusion:
+    if roles.config.run.prefill_fusion or roles.config.run.schedule == "auto":
         with timer.phase("prefix"):
             fused = _actor_prefixes(roles, prompts)
         with torch.no_grad():
             seed = merge_prefixes([detach_prefix(state) for state in fused])
-    side = lambda: _prefixes(roles, prompts, actor=fused is None)  # noqa: E731
-    rollout, (reference, actor) = _decode_with_side_work(roles, prompts, seed, side, timer)
-    return rollout, reference, fused if fused is not None else actor
+    side = lambda: _prefixes(roles, prompts, fused is None, policy.chunk_groups)  # noqa: E731
+    run = _overlapped if policy.overlap else _sequential
+    args = (roles, prompts, seed, side, timer) + ((policy,) if policy.overlap else ())
+    rollout, (reference, actor), span = run(*args)
+    actor = fused if fused is not None else actor
+    return Phase1(rollout, reference, actor, timer.now() - start, span, policy.overlap)
 
 
-def rollplex_step(
-    roles: Roles, prompts: list[Prompt], timer
-) -> tuple[ScoredBatch, list[ActorStats], list[float]]:
-    """One iteration in the Rollplex order. Returns the scored batch, actor statistics, gradient norms."""
-    cfg = roles.config
-    rollout, reference, actor = phase1(roles, prompts, timer)
-    with timer.phase("rewards"):
-        scored = reward_phase(roles, rollout)
-    with timer.phase("reference"):
-        scored = reference_phase(roles, scored, prefix=reference)
-    with timer.phase("actor"):
-        stats = [actor_backward(roles, scored, list(range(len(prompts))), None, prefixes=actor)]
-    with timer.phase("optimizer"):
-        norms = [roles.optimizer.clip_and_step(cfg.optim.max_grad_norm)]
-    return scored, stats, norms
+class RollplexSchedule:
+    """The Rollplex step (``run.schedule`` rollplex or auto) with what it learns across steps: the
+    standalone decode rate behind Eq. 1's T_D, and for ``auto`` the policy trials and the choice."""
+
+    def __init__(self, cfg: Config, device: torch.device):
+        self.policy = CoRunPolicy.from_config(cfg)
+        self.trials: list[CoRunPolicy] = []
+        self.timings: dict[CoRunPolicy, float] = {}
+        if cfg.run.schedule == "auto":
+            self.trials = auto_candidates(device)
+            self.policy = self.trials[0]
+        self.seconds_per_step: float | None = None
+        self.step_index = 0
+
+    def _next_policy(self) -> CoRunPolicy:
+        """The first step runs the prefixes after decode (a calibration: it measures T_D and T_P alone,
+        and is the warm-up of graph capture and compilation); ``auto`` then tries each candidate once
+        and keeps the fastest; otherwise the configured policy."""
+        if self.step_index == 0:
+            return replace(self.policy, overlap=False)
+        if not self.trials:
+            return self.policy
+        trial = self.step_index - 1
+        if 0 <= trial < len(self.trials):
+            return self.trials[trial]
+        return self.policy
+
+    def _learn(self, policy: CoRunPolicy, makespan: float) -> None:
+        trial = self.step_index - 1
+        if not self.trials or not 0 <= trial < len(self.trials):
+            return
+        self.timings[policy] = makespan
+        if trial == len(self.trials) - 1:
+            self.policy = min(self.timings, key=self.timings.get)
+            table = ", ".join(f"{p.name} {t:.3f} s" for p, t in self.timings.items())
+            log.info("auto schedule: Phase 1 took %s; keeping %s", table, self.policy.name)
+
+    def __call__(
+        self, roles: Roles, prompts: list[Prompt], timer
+    ) -> tuple[ScoredBatch, list[ActorStats], list[float], dict[str, float]]:
+        """One iteration in the Rollplex order. Returns the scored batch, actor statistics, gradient
+        norms and the step's schedule metrics (Eq. 1 terms, policy)."""
+        cfg = roles.config
+        policy = self._next_policy()
+        first = phase1(roles, prompts, timer, policy)
+        post_start = timer.now()
+        with timer.phase("rewards"):
+            scored = reward_phase(roles, first.rollout)
+        with timer.phase("reference"):
+            scored = reference_phase(roles, scored, prefix=first.reference)
+        with timer.phase("actor"):
+            stats = [actor_backward(roles, scored, list(range(len(prompts))), None, prefixes=first.actor)]
+        with timer.phase("optimizer"):
+            norms = [roles.optimizer.clip_and_step(cfg.optim.max_grad_norm)]
+        terms, self.seconds_per_step = phase1_terms(
+            first.rollout.timeline, first.prefix_span, first.overlapped, self.seconds_per_step
+        )
+        self._learn(policy, first.makespan)
+        self.step_index += 1
+        extra = {**terms, "eq1/T_post": timer.now() - post_start, "time/phase1": first.makespan}
+        extra["schedule/overlap"] = float(policy.overlap)
+        extra["schedule/chunk_groups"] = float(policy.chunk_groups)
+        extra["schedule/sm_carveout"] = float(policy.sm_carveout)
+        return scored, stats, norms, extra
+
+
+def with_policy(cfg: Config, policy: CoRunPolicy) -> Config:
+    """``cfg`` with the run section set to ``policy`` (for benchmarks and tests)."""
+    run = replace(
+        cfg.run,
+        overlap=policy.overlap,
+        decode_priority=policy.decode_priority,
+        prefix_chunk_groups=policy.chunk_groups,
+        prefix_sm_carveout=policy.sm_carveout,
+    )
+    return replace(cfg, run=run)

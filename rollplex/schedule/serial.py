@@ -29,11 +29,14 @@ def mini_batches(num_groups: int, count: int) -> list[list[int]]:
 
 def serial_step(
     roles: Roles, prompts: list[Prompt], timer
-) -> tuple[ScoredBatch, list[ActorStats], list[float]]:
-    """One iteration. Returns the scored batch, per-mini-batch actor statistics and gradient norms."""
+) -> tuple[ScoredBatch, list[ActorStats], list[float], dict[str, float]]:
+    """One iteration. Returns the scored batch, per-mini-batch actor statistics, gradient norms and the
+    step's schedule metrics (decode time, Eq. 1's T_D, and everything after rollout, T_post; the prefixes
+    are not timed apart from their suffixes here)."""
     cfg = roles.config
     with timer.phase("rollout"):
         rollout = rollout_phase(roles, prompts, cfg.rollout.group_size, roles.sampling)
+    post_start = timer.now()
     with timer.phase("rewards"):
         scored = reward_phase(roles, rollout)
     with timer.phase("reference"):
@@ -46,4 +49,10 @@ def serial_step(
             stats.append(actor_backward(roles, scored, groups, old_logprobs))
         with timer.phase("optimizer"):
             norms.append(roles.optimizer.clip_and_step(cfg.optim.max_grad_norm))
-    return scored, stats, norms
+    timeline = rollout.timeline
+    return (
+        scored,
+        stats,
+        norms,
+        {"eq1/T_D": timeline.end - timeline.start, "eq1/T_post": timer.now() - post_start},
+    )

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from rollplex.bench.schedule import ScheduleBenchConfig, run_schedule_bench
+from rollplex.bench.schedule import ROWS, ScheduleBenchConfig, run_schedule_bench
 
 
 def test_rows_reach_the_same_parameters(tmp_path):
@@ -19,12 +19,15 @@ def test_rows_reach_the_same_parameters(tmp_path):
         steps=1,
         dtype="float32",
         gradient_checkpointing=False,
+        rows=tuple(ROWS),
     )
     result = run_schedule_bench(cfg, tmp_path / "schedule.json")
-    assert set(result.rows) == {"serial", "overlap", "fusion", "both"}
-    for row in result.rows.values():
-        assert row["max_abs_param_diff_vs_serial"] == 0.0
-        assert row["step_s_median"] > 0
+    assert set(result.rows) == set(ROWS)
+    for name, row in result.rows.items():
+        assert row.get("max_abs_param_diff_vs_serial", 0.0) == 0.0
+        assert row["step_s_median"] > 0 and row["eq1/T_D"] > 0
+        assert (name == "auto") != ("max_abs_param_diff_vs_serial" in row)
+    assert result.rows["auto"]["auto_policy"]
     assert (tmp_path / "schedule.json").exists()
 
 

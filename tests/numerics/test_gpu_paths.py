@@ -79,17 +79,23 @@ def test_fused_suffix_matches_dense(models, backend, length):
         assert rel <= 1e-3, (name, float(rel))
 
 
-def test_bf16_rollout_vs_trainer_logprobs(models):
-    model = copy.deepcopy(models[0]).to(torch.bfloat16).cuda()
-    prompts = _prompts("cuda", torch.bfloat16)
-    params = SamplingParams(T, 1.0, 0, 16, (1,), 2, BANNED)
+def _bf16_model(model):
+    """A bf16 CUDA copy with transformers' own RMSNorm (the float64 fixture patches it to be exact)."""
+    model = copy.deepcopy(model).to(torch.bfloat16).cuda()
+    for module in model.modules():
+        module.__dict__.pop("forward", None)
+    return model
+
+
+class _Tok:
+    def decode(self, ids, skip_special_tokens=True):
+        return ""
+
+
+def _bf16_rollout(model, prompts, **decode):
+    params = SamplingParams(T, 1.0, 0, 40, (1,), 2, BANNED, graph_window=16, **decode)
     prefix = prefix_forward(model, prompts, temperature=T, banned_ids=BANNED, attached=False)
-
-    class _Tok:
-        def decode(self, ids, skip_special_tokens=True):
-            return ""
-
-    batch = generate(
+    return generate(
         model,
         prompts,
         prefix,
@@ -98,7 +104,28 @@ def test_bf16_rollout_vs_trainer_logprobs(models):
         tokenizer=_Tok(),
         generator=torch.Generator(device="cuda").manual_seed(0),
     )
+
+
+@pytest.mark.parametrize("compile", [False, True])
+def test_bf16_rollout_vs_trainer_logprobs(models, compile):
+    """bf16: the captured (and optionally compiled) decode step records log-probs within 0.1 (max) and
+    0.01 (mean) of the trainer's prefix + suffix path, over 40 tokens in three own-key windows."""
+    model = _bf16_model(models[0])
+    prompts = _prompts("cuda", torch.bfloat16)
+    batch = _bf16_rollout(model, prompts, cuda_graphs=True, compile=compile)
     trainer = _score(model, prompts, batch.responses, attached=True).detach()
     diff = (trainer - batch.logprobs).abs()[batch.response_mask()]
-    print(f"bf16 rollout vs trainer |dlogp|: max {float(diff.max()):.4g} mean {float(diff.mean()):.4g}")
+    print(
+        f"bf16 rollout (compile={compile}) vs trainer |dlogp|: max {float(diff.max()):.4g} mean {float(diff.mean()):.4g}"
+    )
     assert float(diff.max()) <= 0.1 and float(diff.mean()) <= 0.01
+
+
+def test_graph_replay_equals_eager_decode(models):
+    """CUDA-graph replay runs the same kernels as the eager step: bitwise the same rollout."""
+    model = _bf16_model(models[0])
+    prompts = _prompts("cuda", torch.bfloat16)
+    graphed = _bf16_rollout(model, prompts, cuda_graphs=True)
+    eager = _bf16_rollout(model, prompts, cuda_graphs=False)
+    assert torch.equal(graphed.responses, eager.responses)
+    assert torch.equal(graphed.logprobs, eager.logprobs)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 
+import pytest
 import torch
 
 from rollplex.algo.losses import policy_loss
@@ -45,10 +46,13 @@ def _rollout(model, prompts, params, seed=0):
     return generate(model, prompts, prefix, group_size=N, params=params, tokenizer=_Tokenizer(), generator=g)
 
 
-def test_recorded_logprobs_equal_trainer_and_oracle_float64(models):
+@pytest.mark.parametrize("window", [128, 3])
+def test_recorded_logprobs_equal_trainer_and_oracle_float64(models, window):
+    """The decode step (rollout.decode) equals the trainer's suffix path and the full-sequence oracle,
+    also when the own-key window grows in several pieces (window 3 over 8 tokens)."""
     model, oracle = models
     prompts = _prompts()
-    batch = _rollout(model, prompts, _params())
+    batch = _rollout(model, prompts, _params(graph_window=window))
     mask = batch.response_mask()
     prefix = prefix_forward(model, prompts, temperature=T, banned_ids=BANNED, attached=True)
     trainer, _ = suffix_logprobs(
@@ -125,3 +129,13 @@ def test_same_seed_same_rollout(models):
     a = _rollout(model, _prompts(), _params(), seed=7)
     b = _rollout(model, _prompts(), _params(), seed=7)
     assert torch.equal(a.responses, b.responses) and torch.equal(a.logprobs, b.logprobs)
+
+
+def test_decode_timeline_counts_decode_steps(models):
+    """The timeline starts before the first decode step, ends after the last, and counts decode calls
+    (the first token comes from the prefix, so R tokens take R - 1 decode steps)."""
+    batch = _rollout(models[0], _prompts(), _params(max_tokens=10, eos_check_every=4))
+    steps = [s for s, _ in batch.timeline.marks]
+    times = [t for _, t in batch.timeline.marks]
+    assert steps == [0, 3, 7, 9] and times == sorted(times)
+    assert batch.timeline.steps == 9 and batch.timeline.end >= batch.timeline.start

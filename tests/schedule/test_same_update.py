@@ -7,8 +7,7 @@ import torch
 
 from rollplex.loop import build_run, train
 from rollplex.observe.metrics import PhaseTimer
-from rollplex.schedule.rollplex import rollplex_step
-from rollplex.schedule.serial import serial_step
+from rollplex.schedule import make_step
 from tests.test_loop import _config, _metrics, _weights, assets  # noqa: F401  (fixture)
 
 SCHEDULES = {
@@ -17,19 +16,22 @@ SCHEDULES = {
     "sequential": {"run.schedule": "rollplex", "run.overlap": "false"},
     "fused": {"run.schedule": "rollplex", "run.prefill_fusion": "true"},
     "fused-sequential": {"run.schedule": "rollplex", "run.prefill_fusion": "true", "run.overlap": "false"},
+    "chunked": {"run.schedule": "rollplex", "run.prefix_chunk_groups": "1"},
+    "auto": {"run.schedule": "auto"},
 }
+TIMING = ("time/", "eq1/", "schedule/")
 
 
 def test_schedules_give_identical_parameters(assets, tmp_path):  # noqa: F811
     """3 steps with KL on and 4-token responses (the suffix path runs): weights and every metric except
-    wall times are bitwise equal across serial, rollplex with and without the worker thread, and with
-    and without prefill fusion."""
+    timings are bitwise equal across serial, rollplex with and without the worker thread, with and
+    without prefill fusion, with chunked prefix issue, and auto (which switches policy between steps)."""
     runs = {}
     for name, extra in SCHEDULES.items():
         cfg = _config(assets, tmp_path / name, 3, **{"algo.kl_coef": 0.05, "eval.every": 0, **extra})
         runs[name] = train(cfg)
     weights = {name: _weights(run) for name, run in runs.items()}
-    strip = lambda row: {k: v for k, v in row.items() if not k.startswith("time/")}  # noqa: E731
+    strip = lambda row: {k: v for k, v in row.items() if not k.startswith(TIMING)}  # noqa: E731
     metrics = {name: [strip(r) for r in _metrics(run)] for name, run in runs.items()}
     for name in SCHEDULES:
         assert all(torch.equal(weights["serial"][k], weights[name][k]) for k in weights["serial"]), name
@@ -87,13 +89,16 @@ def _check_barriers(events, order):
 
 
 def test_barriers(assets, tmp_path):  # noqa: F811
-    for name, step, order in (
-        ("serial", serial_step, ["rollout", "rewards", "reference", "actor", "actor", "optimizer"]),
-        ("sequential", rollplex_step, ["prefix", "rollout", "rewards", "reference", "actor", "optimizer"]),
-        ("rollplex", rollplex_step, ["rewards", "reference", "actor", "optimizer"]),  # Phase 1 on two threads
+    for name, order in (
+        ("serial", ["rollout", "rewards", "reference", "actor", "actor", "optimizer"]),
+        ("sequential", ["rollout", "prefix", "rewards", "reference", "actor", "optimizer"]),
+        ("fused-sequential", ["prefix", "rollout", "prefix", "rewards", "reference", "actor", "optimizer"]),
+        ("rollplex", ["rewards", "reference", "actor", "optimizer"]),  # Phase 1 on two threads
     ):
-        cfg = _config(assets, tmp_path / name, 1, **{"algo.kl_coef": 0.05, **SCHEDULES[name]})
+        cfg = _config(assets, tmp_path / name, 2, **{"algo.kl_coef": 0.05, **SCHEDULES[name]})
         run = build_run(cfg)
+        step = make_step(cfg, run.device)
+        step(run.roles, run.train.next_batch(), PhaseTimer())  # the rollplex calibration step
         recorder = _Recorder(run.roles.actor.model.language_model)
         step(run.roles, run.train.next_batch(), recorder)
         _check_barriers(recorder.events, order)

@@ -1,0 +1,146 @@
+"""``rollplex bench decode``: the decode step against its memory roofline, per decode variant.
+
+Roofline of one decode step: the bytes it must read — every decoder and LM-head weight once (the
+embedding lookup reads B rows only), each group's boundary KV once, each row's own keys/values so far —
+divided by the device's measured copy bandwidth (a large device-to-device copy, bytes read + written).
+The ratio reported is (measured seconds per step) / (roofline seconds per step), averaged over the
+rollout's own-key lengths 1..R.
+
+Variants (same prompts, same prefix): ``eager`` (the step's kernels launched one by one, only the first
+``eager_tokens`` tokens), ``graphs`` (CUDA-graph replay), ``graphs+compile`` (torch.compile, then
+capture). Decode time comes from the rollout's own timeline, which starts after capture/compilation.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+from rollplex.bench.common import PromptShape, Workload, bench_device, random_model, synthetic_prompt
+from rollplex.models.forward import prefix_forward
+from rollplex.models.presets import vision_special_ids
+from rollplex.rollout.engine import SamplingParams, generate
+
+VARIANTS = {
+    "eager": {"cuda_graphs": False},
+    "graphs": {"cuda_graphs": True},
+    "graphs+compile": {"cuda_graphs": True, "compile": True},
+}
+
+
+@dataclass(frozen=True)
+class DecodeBenchConfig(Workload):
+    """Workload of ``rollplex bench decode`` (defaults: the 3B workload of docs/benchmarks.md)."""
+
+    variants: tuple[str, ...] = tuple(VARIANTS)
+    eager_tokens: int = 48
+
+
+@dataclass
+class DecodeBenchResult:
+    config: dict
+    copy_bandwidth_gbps: float = float("nan")
+    rows: dict = field(default_factory=dict)
+
+
+def copy_bandwidth(device: torch.device, gib: float = 2.0, repeats: int = 10) -> float:
+    """Measured device-to-device copy bandwidth in GB/s (bytes read + written), median of ``repeats``."""
+    if device.type != "cuda":
+        return float("nan")
+    src = torch.empty(int(gib * 2**30), dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        dst.copy_(src)
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    times.sort()
+    return 2 * src.numel() / times[len(times) // 2] / 1e9
+
+
+def step_bytes(model, prompt_lens: list[int], group_size: int, tokens: int) -> float:
+    """Mean bytes a decode step must read over own-key lengths 1..``tokens``: decoder + LM-head weights,
+    boundary KV of every group, own keys/values of every row."""
+    lm = model.model.language_model
+    weights = sum(p.numel() * p.element_size() for p in lm.layers.parameters())
+    weights += sum(p.numel() * p.element_size() for p in lm.norm.parameters())
+    weights += model.lm_head.weight.numel() * model.lm_head.weight.element_size()
+    config = lm.config
+    per_token = (
+        2 * len(lm.layers) * config.num_key_value_heads * (config.hidden_size // config.num_attention_heads)
+    )
+    per_token *= model.lm_head.weight.element_size()
+    mean_own = (tokens + 1) / 2
+    return weights + per_token * (sum(prompt_lens) + len(prompt_lens) * group_size * mean_own)
+
+
+def run_decode_bench(cfg: DecodeBenchConfig, out: Path | None = None) -> DecodeBenchResult:
+    """Decode the workload's responses under each variant and print the roofline table.
+
+    Raises:
+        ValueError: an unknown variant, or a preset other than ``tiny`` without a CUDA device.
+    """
+    unknown = set(cfg.variants) - set(VARIANTS)
+    if unknown:
+        raise ValueError(f"unknown decode variants {sorted(unknown)}; expected some of {list(VARIANTS)}")
+    device = bench_device(cfg.preset)
+    dtype = getattr(torch, cfg.dtype)
+    model = random_model(cfg.preset, device, dtype)
+    model.requires_grad_(False)
+    shape = PromptShape(cfg.text_tokens, cfg.grid)
+    prompts = [synthetic_prompt(model, shape, seed=g, device=device, dtype=dtype) for g in range(cfg.groups)]
+    banned = torch.tensor(vision_special_ids(model.config), device=device)
+    prefix = prefix_forward(model, prompts, temperature=1.0, banned_ids=banned, attached=False)
+    result = DecodeBenchResult(config=asdict(cfg), copy_bandwidth_gbps=copy_bandwidth(device))
+    for name in cfg.variants:
+        tokens = cfg.eager_tokens if name == "eager" else cfg.response_tokens
+        params = SamplingParams(1.0, 1.0, 0, tokens, (-1,), 0, banned, **VARIANTS[name])
+        try:
+            batch = generate(
+                model, prompts, prefix, group_size=cfg.group_size, params=params, tokenizer=_NoText()
+            )
+        except Exception as err:  # noqa: BLE001 - one failing variant must not hide the others
+            print(f"  {name}: failed: {type(err).__name__}: {err}", flush=True)
+            result.rows[name] = {"error": f"{type(err).__name__}: {err}"}
+            continue
+        timeline = batch.timeline
+        per_step = (timeline.end - timeline.start) / max(1, timeline.steps)
+        roofline = step_bytes(model, [shape.length] * cfg.groups, cfg.group_size, tokens) / (
+            result.copy_bandwidth_gbps * 1e9
+        )
+        result.rows[name] = {
+            "tokens": tokens,
+            "ms_per_step": per_step * 1e3,
+            "roofline_ms_per_step": roofline * 1e3,
+            "roofline_ratio": per_step / roofline,
+        }
+        print(f"  {name}: {per_step * 1e3:.3f} ms/step, {per_step / roofline:.2f}x roofline", flush=True)
+    _print(result)
+    if out is not None:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(asdict(result), indent=2))
+    return result
+
+
+class _NoText:
+    def decode(self, ids, skip_special_tokens=True) -> str:
+        return ""
+
+
+def _print(result: DecodeBenchResult) -> None:
+    print(f"copy bandwidth {result.copy_bandwidth_gbps:.0f} GB/s, config {result.config}")
+    print(f"{'variant':16} {'ms/step':>10} {'roofline ms':>12} {'ratio':>8}")
+    for name, row in result.rows.items():
+        if "error" in row:
+            print(f"{name:16} {row['error']}")
+            continue
+        print(
+            f"{name:16} {row['ms_per_step']:10.3f} {row['roofline_ms_per_step']:12.3f} {row['roofline_ratio']:8.2f}"
+        )

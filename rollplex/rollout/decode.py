@@ -1,0 +1,328 @@
+"""The decode step: one new token per row against the shared boundary KV, with static shapes.
+
+Legend: G groups, N group size, B = G·N rows, H query heads, Hkv key/value heads, D head dim,
+Hd hidden size, V vocabulary, P padded prompt length, R response budget, L own-key window.
+
+Every buffer the step reads or writes is allocated once per rollout (the boundary KV of the rollout
+prefix, a [B, Hkv, R, D] cache of generated keys/values per layer, the token and step inputs), so the
+step has the same shapes and addresses at every token. On CUDA it is therefore captured as CUDA graphs
+(one per own-key window L, a multiple of ``window`` tokens, so a step reads at most ``window - 1``
+unwritten cache slots) and replayed; its elementwise work can also be compiled (torch.compile) first.
+
+The arithmetic is the Qwen2.5-VL decoder layer of transformers (RMSNorm, q/k/v with bias, rotary
+embedding, o_proj, SiLU-gated MLP), written here as one pure function of the layer's tensors so that it
+can be compiled and captured; for response tokens all three M-RoPE rows carry the same position, where
+M-RoPE equals plain RoPE. tests/numerics checks it against the model's own full-sequence forward in
+float64. Attention is exact: one softmax over [group's boundary KV ; the row's own keys], the boundary
+KV read once per group (the N rows' queries are stacked against it), never copied N times.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from rollplex.types import PrefixState
+
+log = logging.getLogger(__name__)
+
+NEG_INF = float("-inf")
+
+
+@dataclass(frozen=True)
+class DecodeShape:
+    """Sizes of one rollout's decode step (plain ints, so compiled code specialises on them)."""
+
+    groups: int
+    group_size: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    budget: int
+    scaling: float
+    eps: float
+
+    @property
+    def rows(self) -> int:
+        return self.groups * self.group_size
+
+
+def _layer_tensors(layer) -> tuple[torch.Tensor, ...]:
+    """The 12 tensors of one Qwen2.5-VL decoder layer, in the order ``layer_qkv`` and ``layer_out`` take them."""
+    a, m = layer.self_attn, layer.mlp
+    return (
+        layer.input_layernorm.weight,
+        a.q_proj.weight,
+        a.q_proj.bias,
+        a.k_proj.weight,
+        a.k_proj.bias,
+        a.v_proj.weight,
+        a.v_proj.bias,
+        a.o_proj.weight,
+        layer.post_attention_layernorm.weight,
+        m.gate_proj.weight,
+        m.up_proj.weight,
+        m.down_proj.weight,
+    )
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """transformers' Qwen2.5-VL RMSNorm, operation for operation: normalised in float32 (in float64 for a
+    float64 model, where transformers would round through float32), then cast back."""
+    dtype = x.dtype
+    h = x.to(torch.promote_types(dtype, torch.float32))
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * h.to(dtype)
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotary embedding of x [B, heads, D] with cos/sin [B, D]: x·cos + rotate_half(x)·sin."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return x * cos[:, None] + rotated * sin[:, None]
+
+
+def rope_tables(
+    positions: torch.Tensor, inv_freq: torch.Tensor, scale: float, dtype
+) -> tuple[torch.Tensor, ...]:
+    """cos, sin [B, D] of positions int64 [B], computed as transformers does (float32, then ``dtype``)."""
+    freqs = positions[:, None].float() * inv_freq.to(torch.float)[None, :]
+    emb = torch.cat([freqs, freqs], dim=-1)
+    return (emb.cos() * scale).to(dtype), (emb.sin() * scale).to(dtype)
+
+
+def decode_attention(
+    q: torch.Tensor,
+    prefix_k: torch.Tensor,
+    prefix_v: torch.Tensor,
+    own_k: torch.Tensor,
+    own_v: torch.Tensor,
+    bias: torch.Tensor,
+    shape: DecodeShape,
+) -> torch.Tensor:
+    """Exact attention of one query per row over [its group's boundary KV ; its own keys].
+
+    Args:
+        q: [B, H, D] after RoPE. prefix_k/prefix_v: [G, Hkv, P, D]. own_k/own_v: [B, Hkv, L, D].
+        bias: float32 [B, 1, 1, P + L], 0 where a key is visible, -inf at prompt padding and at own
+            slots after the current token.
+
+    Returns:
+        [B, H·D] in the dtype of ``q``. Scores are scaled and normalised in float32 (float64 for a
+        float64 model), one softmax over both parts, as a full-sequence forward does.
+    """
+    g, n, hkv, d = shape.groups, shape.group_size, shape.kv_heads, shape.head_dim
+    b, rep, p = shape.rows, shape.heads // hkv, prefix_k.shape[2]
+    stacked = q.view(g, n, hkv, rep, d).transpose(1, 2).reshape(g, hkv, n * rep, d)
+    s_prefix = torch.matmul(stacked, prefix_k.transpose(-1, -2))  # [G, Hkv, N·rep, P]
+    s_prefix = s_prefix.view(g, hkv, n, rep, p).transpose(1, 2).reshape(b, hkv, rep, p)
+    s_own = torch.matmul(q.view(b, hkv, rep, d), own_k.transpose(-1, -2))  # [B, Hkv, rep, L]
+    dtype = torch.promote_types(q.dtype, torch.float32)
+    scores = torch.cat([s_prefix, s_own], dim=-1).to(dtype) * shape.scaling + bias
+    probs = torch.softmax(scores, dim=-1).to(q.dtype)
+    p_prefix, p_own = probs.split([p, own_k.shape[2]], dim=-1)
+    p_prefix = p_prefix.reshape(g, n, hkv, rep, p).transpose(1, 2).reshape(g, hkv, n * rep, p)
+    out = torch.matmul(p_prefix, prefix_v).view(g, hkv, n, rep, d).transpose(1, 2).reshape(b, hkv, rep, d)
+    out = out + torch.matmul(p_own, own_v)
+    return out.reshape(b, shape.heads * d)
+
+
+def layer_qkv(
+    hidden: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    weights: tuple[torch.Tensor, ...],
+    shape: DecodeShape,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """First half of a decoder layer: input norm, q/k/v projections, RoPE.
+
+    Args:
+        hidden: [B, Hd]. cos/sin: [B, D]. weights: ``_layer_tensors`` of the layer.
+
+    Returns:
+        q [B, H, D], k [B, Hkv, D], v [B, Hkv, D].
+    """
+    ln1, wq, bq, wk, bk, wv, bv = weights[:7]
+    b, d = shape.rows, shape.head_dim
+    x = rms_norm(hidden, ln1, shape.eps)
+    q = rotate(F.linear(x, wq, bq).view(b, shape.heads, d), cos, sin)
+    k = rotate(F.linear(x, wk, bk).view(b, shape.kv_heads, d), cos, sin)
+    return q, k, F.linear(x, wv, bv).view(b, shape.kv_heads, d)
+
+
+def layer_out(
+    hidden: torch.Tensor,
+    q: torch.Tensor,
+    prefix_k: torch.Tensor,
+    prefix_v: torch.Tensor,
+    own_k: torch.Tensor,
+    own_v: torch.Tensor,
+    bias: torch.Tensor,
+    weights: tuple[torch.Tensor, ...],
+    shape: DecodeShape,
+) -> torch.Tensor:
+    """Second half of a decoder layer: attention (``decode_attention``), o_proj, residual, post norm,
+    SiLU-gated MLP, residual. Shapes as in ``decode_attention``; returns hidden [B, Hd]."""
+    wo, ln2, gate, up, down = weights[7:]
+    hidden = hidden + F.linear(decode_attention(q, prefix_k, prefix_v, own_k, own_v, bias, shape), wo)
+    x = rms_norm(hidden, ln2, shape.eps)
+    return hidden + F.linear(F.silu(F.linear(x, gate)) * F.linear(x, up), down)
+
+
+class StaticDecoder:
+    """Decode steps of one rollout over static buffers; CUDA-graph replay on CUDA.
+
+    Args:
+        model: ``Qwen2_5_VLForConditionalGeneration`` (its language model and LM head are used).
+        prefix: detached rollout prefix of the G groups (boundary KV [G, Hkv, P, D] per layer).
+        group_size: N. budget: R, the largest number of tokens decoded per row.
+        graphs: capture and replay CUDA graphs (CUDA only).
+        compile: compile the layer function with torch.compile before capture (CUDA only; falls back to
+            the eager function with a warning if compilation fails).
+        window: own-key window granularity in tokens.
+
+    Raises:
+        ValueError: the model's MLP activation is not SiLU (the only one Qwen2.5-VL uses).
+    """
+
+    def __init__(
+        self,
+        model,
+        prefix: PrefixState,
+        group_size: int,
+        budget: int,
+        *,
+        graphs: bool = False,
+        compile: bool = False,
+        window: int = 128,
+    ):
+        lm = model.model.language_model
+        config = lm.config
+        if config.hidden_act != "silu":
+            raise ValueError(f"decode supports hidden_act 'silu', got {config.hidden_act!r}")
+        attention = lm.layers[0].self_attn
+        keys = prefix.keys[0]
+        self.shape = DecodeShape(
+            groups=keys.shape[0],
+            group_size=group_size,
+            heads=config.num_attention_heads,
+            kv_heads=keys.shape[1],
+            head_dim=keys.shape[3],
+            budget=budget,
+            scaling=float(attention.scaling),
+            eps=float(lm.layers[0].input_layernorm.variance_epsilon),
+        )
+        self.model, self.prefix = model, prefix
+        self.weights = [_layer_tensors(layer) for layer in lm.layers]
+        self.inv_freq, self.rope_scale = lm.rotary_emb.inv_freq, float(lm.rotary_emb.attention_scaling)
+        rows, device = self.shape.rows, keys.device
+        cache_shape = (rows, self.shape.kv_heads, budget, self.shape.head_dim)
+        self.cache_k = [torch.zeros(cache_shape, dtype=keys.dtype, device=device) for _ in self.weights]
+        self.cache_v = [torch.zeros(cache_shape, dtype=keys.dtype, device=device) for _ in self.weights]
+        self.token = torch.zeros(rows, dtype=torch.long, device=device)
+        self.step_index = torch.zeros(1, dtype=torch.long, device=device)
+        self.first_position = prefix.next_position.repeat_interleave(group_size)
+        p = keys.shape[2]
+        pad = torch.arange(p, device=device)[None, :] >= prefix.prompt_lens[:, None]
+        self.prefix_bias = torch.zeros(rows, p, device=device).masked_fill(
+            pad.repeat_interleave(group_size, 0), NEG_INF
+        )
+        self.window = max(1, min(window, budget))
+        use_cuda = device.type == "cuda"
+        self.layer_fns: tuple[Callable, Callable] = (layer_qkv, layer_out)
+        if compile and use_cuda:
+            self.layer_fns = _compiled_layer()
+        self.use_graphs = graphs and use_cuda
+        self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+
+    def own_window(self, step: int) -> int:
+        """Own-key window L for the token at ``step``: the smallest multiple of ``window`` > step (≤ R)."""
+        return min(self.shape.budget, (step // self.window + 1) * self.window)
+
+    def _forward(self, length: int) -> torch.Tensor:
+        """Logits [B, V] of the token in ``self.token`` at response position ``self.step_index``."""
+        lm, s = self.model.model.language_model, self.shape
+        positions = self.first_position + self.step_index
+        cos, sin = rope_tables(positions, self.inv_freq, self.rope_scale, self.prefix.keys[0].dtype)
+        own = torch.arange(length, device=positions.device)[None, :] <= self.step_index
+        bias = torch.cat([self.prefix_bias, torch.where(own, 0.0, NEG_INF).expand(s.rows, -1)], dim=1)
+        bias = bias[:, None, None, :]
+        hidden = lm.embed_tokens(self.token)
+        qkv, out = self.layer_fns
+        for i, weights in enumerate(self.weights):
+            q, k, v = qkv(hidden, cos, sin, weights, s)
+            own_k, own_v = self.cache_k[i][:, :, :length], self.cache_v[i][:, :, :length]
+            own_k.index_copy_(2, self.step_index, k[:, :, None])
+            own_v.index_copy_(2, self.step_index, v[:, :, None])
+            keys, values = self.prefix.keys[i], self.prefix.values[i]
+            hidden = out(hidden, q, keys, values, own_k, own_v, bias, weights, s)
+        return self.model.lm_head(lm.norm(hidden))
+
+    def capture(self) -> None:
+        """Warm up and capture one CUDA graph per own-key window (no-op without graphs). Call before
+        other threads put work on the device: capture must not interleave with their allocations."""
+        if not self.use_graphs:
+            return
+        lengths = sorted({self.own_window(step) for step in range(self.shape.budget)})
+        warm = torch.cuda.Stream(self.token.device)
+        warm.wait_stream(torch.cuda.current_stream(self.token.device))
+        with torch.cuda.stream(warm):
+            for length in lengths:  # compilation, cuBLAS handles and workspaces happen here
+                self._forward_or_eager(length)
+        warm.synchronize()
+        # capture_begin/end rather than torch.cuda.graph, which empties the allocator's cache per capture
+        pool = None
+        with torch.cuda.stream(warm):
+            for length in lengths:
+                graph = torch.cuda.CUDAGraph()
+                graph.capture_begin(pool=pool)
+                try:
+                    logits = self._forward(length)
+                finally:
+                    graph.capture_end()
+                pool = graph.pool()
+                self._graphs[length] = (graph, logits)
+        torch.cuda.current_stream(self.token.device).wait_stream(warm)
+
+    def _forward_or_eager(self, length: int) -> torch.Tensor:
+        """``_forward``, falling back to the eager layer function if the compiled one fails to build."""
+        try:
+            return self._forward(length)
+        except Exception as err:  # noqa: BLE001 - any compiler failure leaves a working eager path
+            if self.layer_fns == (layer_qkv, layer_out):
+                raise
+            log.warning("compiled decode step failed (%s: %s); using the eager step", type(err).__name__, err)
+            self.layer_fns = (layer_qkv, layer_out)
+            return self._forward(length)
+
+    @torch.no_grad()
+    def step(self, token: torch.Tensor, step: int) -> torch.Tensor:
+        """Logits [B, V] (model dtype) of the next token after ``token`` (int64 [B]) at response
+        position ``step``; writes the token's keys/values into the cache."""
+        self.token.copy_(token)
+        self.step_index.fill_(step)
+        length = self.own_window(step)
+        if self.use_graphs:
+            if length not in self._graphs:
+                self.capture()
+            graph, logits = self._graphs[length]
+            graph.replay()
+            return logits
+        return self._forward(length)
+
+
+_COMPILED: tuple[Callable, Callable] | None = None
+
+
+def _compiled_layer() -> tuple[Callable, Callable]:
+    """``layer_qkv`` and ``layer_out`` under torch.compile, built once per process (the cache write
+    between them stays outside, so compiled code never mutates its inputs). The first own-key window
+    compiles for static shapes; a second window or prompt length recompiles once with symbolic sizes."""
+    global _COMPILED
+    if _COMPILED is None:
+        _COMPILED = (torch.compile(layer_qkv), torch.compile(layer_out))
+    return _COMPILED

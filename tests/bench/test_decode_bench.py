@@ -1,0 +1,37 @@
+"""``rollplex bench decode`` on the tiny preset (CPU smoke) and the roofline byte count by hand."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from rollplex.bench.common import random_model
+from rollplex.bench.decode import DecodeBenchConfig, run_decode_bench, step_bytes
+
+
+def test_tiny_decode_bench_runs(tmp_path):
+    cfg = DecodeBenchConfig(
+        preset="tiny",
+        groups=2,
+        group_size=2,
+        response_tokens=6,
+        text_tokens=20,
+        grid=(2, 4, 4),
+        dtype="float32",
+        eager_tokens=4,
+    )
+    result = run_decode_bench(cfg, tmp_path / "decode.json")
+    assert set(result.rows) == {"eager", "graphs", "graphs+compile"}
+    assert all(row["ms_per_step"] > 0 for row in result.rows.values())
+    assert (tmp_path / "decode.json").exists()
+
+
+def test_step_bytes_by_hand():
+    """Weights of every layer + final norm + LM head, plus 2 (K, V) × layers × Hkv × D × bytes per
+    cached token: prompts 10 and 20, 2 rows per group, own tokens averaged over 1..4 (2.5)."""
+    model = random_model("tiny", torch.device("cpu"), torch.float32)
+    lm, c = model.model.language_model, model.model.language_model.config
+    weights = sum(p.numel() for p in lm.layers.parameters()) + c.hidden_size + model.lm_head.weight.numel()
+    per_token = 2 * c.num_hidden_layers * c.num_key_value_heads * (c.hidden_size // c.num_attention_heads)
+    expected = 4 * (weights + per_token * (10 + 20 + 2 * 2 * 2.5))
+    assert step_bytes(model, [10, 20], 2, 4) == pytest.approx(expected)
