@@ -90,8 +90,11 @@ def _model_init(args: argparse.Namespace) -> None:
 
 
 def _report(args: argparse.Namespace) -> None:
-    from rollplex.observe.report import make_report
+    from rollplex.observe.report import bench_report, make_report
 
+    if args.run_dir.is_file():
+        print(bench_report(args.run_dir))
+        return
     for path in make_report(args.run_dir):
         print(path)
 
@@ -226,8 +229,16 @@ def _add_model(sub: argparse._SubParsersAction) -> None:
 
 
 def _add_report(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("report", help="plot a run's metrics to PNGs in RUN_DIR/report/")
-    p.add_argument("run_dir", type=Path, metavar="RUN_DIR", help="run folder holding metrics.jsonl")
+    p = sub.add_parser(
+        "report",
+        help="plot a run's metrics to PNGs in RUN_DIR/report/, or a bench schedule JSON to a PNG beside it",
+    )
+    p.add_argument(
+        "run_dir",
+        type=Path,
+        metavar="RUN_DIR|BENCH.json",
+        help="run folder holding metrics.jsonl, or a rollplex bench schedule JSON file",
+    )
     p.set_defaults(handler=_report)
 
 

@@ -226,7 +226,7 @@ def _print(result: ScheduleBenchResult) -> None:
         "step_s_median",
         "step_s_spread",
         "speedup_vs_serial",
-        "time/phase1",
+        "eq1/phase1",
         "eq1/T_D",
         "eq1/T_P",
         "eq1/delta_D",

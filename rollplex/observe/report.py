@@ -5,8 +5,11 @@ Figures written to ``run_dir/report/`` (a figure whose keys are all missing is n
 - ``rewards.png``: ``reward_mean`` and each ``reward/<fn>`` vs step.
 - ``accuracy.png``: training ``accuracy`` and held-out ``val_accuracy`` vs step, ``chance_accuracy`` dashed.
 - ``step_time.png``: stacked bars of the ``time/<phase>`` seconds of every step (plus ``other`` =
-  ``time/step`` minus the phases, when positive), and the mean breakdown over steps. Phases are assumed
-  disjoint (the loop's phases are).
+  ``time/step`` minus the phases, when positive), and the mean breakdown over steps. On steps whose
+  Phase-1 prefixes overlapped decode, ``rollout`` and ``prefix`` are replaced by the Phase-1 makespan
+  (``phase1``), so the bars never count overlapped time twice.
+- ``eq1.png``: the paper's Eq. 1 terms per step (``eq1/*``: T_D, T_P, decode as run = T_D + ΔD,
+  saving S and the bound min(T_D, T_P)).
 - ``training.png``: one panel per diagnostic present (loss, kl, clip_fraction, entropy, ...).
 
 Matplotlib is used through ``Figure`` objects and its Agg canvas, without pyplot's global state.
@@ -61,14 +64,69 @@ def step_times(rows: Sequence[dict]) -> tuple[list[int], dict[str, list[float]]]
     Returns ``(steps, {phase: [seconds per step]})``; the phase ``"other"`` = max(0, ``time/step`` − Σ phases)
     is added when ``time/step`` is present and the residual is positive somewhere.
     """
-    phases = keys_with_prefix(rows, "time/", exclude=("time/step",))
-    timed = [row for row in rows if any(k.startswith("time/") for k in row)]
+    timed = [_phase1_merged(row) for row in rows if any(k.startswith("time/") for k in row)]
+    phases = keys_with_prefix(timed, "time/", exclude=("time/step",))
     table = {p.removeprefix("time/"): [float(row.get(p) or 0.0) for row in timed] for p in phases}
     totals = [sum(values) for values in zip(*table.values(), strict=True)] if table else [0.0] * len(timed)
     other = [max(0.0, float(row.get("time/step") or 0.0) - t) for row, t in zip(timed, totals, strict=True)]
     if any(other):
         table["other"] = other
     return [row["step"] for row in timed], table
+
+
+def _phase1_merged(row: dict) -> dict:
+    """The row with overlapped ``time/rollout`` and ``time/prefix`` replaced by ``time/phase1``."""
+    if not row.get("schedule/overlap"):
+        return row
+    merged = {k: v for k, v in row.items() if k not in ("time/rollout", "time/prefix")}
+    return {**merged, "time/phase1": row.get("eq1/phase1")}
+
+
+EQ1_LINES = (
+    ("eq1/T_D", "T_D (decode alone)"),
+    ("eq1/T_P", "T_P (prefix makespan)"),
+    ("eq1/delta_D", "ΔD (decode slowdown)"),
+    ("eq1/S", "S (measured saving)"),
+    ("eq1/bound", "bound min(T_D, T_P)"),
+)
+
+
+def eq1_figure(rows: Sequence[dict]) -> Figure | None:
+    """Eq. 1 terms per step (8×4 in); None without ``eq1/T_P`` (serial runs time no prefix apart)."""
+    if not series(rows, "eq1/T_P")[0]:
+        return None
+    fig = Figure(figsize=(8, 4))
+    ax = fig.add_subplot()
+    for key, label in EQ1_LINES:
+        steps, values = series(rows, key)
+        if steps:
+            ax.plot(steps, values, marker="o", label=label)
+    _step_axis(ax, ylabel="seconds", title="Critical path, paper Eq. 1")
+    ax.legend(fontsize="small")
+    return fig
+
+
+def schedule_bench_figure(result: dict) -> Figure:
+    """``rollplex bench schedule`` JSON as horizontal bars per schedule: Phase-1 makespan and the rest of
+    the step (T_post), with the speedup over serial written at the end of each bar (9×(1+0.5·rows) in)."""
+    rows = {name: row for name, row in result["rows"].items() if "error" not in row}
+    names = list(rows)
+    fig = Figure(figsize=(9, 1 + 0.5 * len(names)))
+    ax = fig.add_subplot()
+    step = [rows[n]["step_s_median"] for n in names]
+    post = [rows[n].get("eq1/T_post") or 0.0 for n in names]
+    first = [max(0.0, s - p) for s, p in zip(step, post, strict=True)]
+    ax.barh(names, first, label="Phase 1 (rollout + prefixes)")
+    ax.barh(names, post, left=first, label="rewards, suffixes, backward, optimizer")
+    for i, name in enumerate(names):
+        speedup = rows[name].get("speedup_vs_serial")
+        label = f" {step[i]:.2f} s" + (f" ({speedup:.2f}×)" if speedup else "")
+        ax.text(step[i], i, label, va="center", fontsize=8)
+    ax.invert_yaxis()
+    ax.set(xlabel="median seconds per step", title="Schedules side by side")
+    ax.set_xlim(0, max(step, default=1.0) * 1.3)
+    ax.legend(fontsize="small", loc="lower right")
+    return fig
 
 
 def mean_breakdown(table: dict[str, list[float]]) -> dict[str, float]:
@@ -193,6 +251,22 @@ def timeline_figure(trace: dict, last_seconds: float = 30.0) -> Figure | None:
     return fig
 
 
+def bench_report(path: Path) -> Path:
+    """Draw a ``rollplex bench schedule`` JSON file as a PNG beside it (same name, ``.png``).
+
+    Raises ``ValueError`` naming the path when it is not such a file.
+    """
+    try:
+        result = json.loads(Path(path).read_text())
+        figure = schedule_bench_figure(result)
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        raise ValueError(f"{path}: not a rollplex bench schedule result ({err})") from err
+    out = Path(path).with_suffix(".png")
+    figure.tight_layout()
+    figure.savefig(out, dpi=100)
+    return out
+
+
 def make_report(run_dir: Path) -> list[Path]:
     """Write the report PNGs of ``run_dir`` into ``run_dir/report/`` and return their paths.
 
@@ -205,6 +279,7 @@ def make_report(run_dir: Path) -> list[Path]:
         (rewards_figure, "rewards.png"),
         (accuracy_figure, "accuracy.png"),
         (step_time_figure, "step_time.png"),
+        (eq1_figure, "eq1.png"),
         (diagnostics_figure, "training.png"),
     )
     figures = [(build(rows), name) for build, name in plots]

@@ -6,7 +6,7 @@ T_D   standalone decode time (what decode takes alone)
 T_P   makespan of the Phase-1 prefixes (reference + actor, and the fused rollout prefix)
 ΔD    decode slowdown from co-running the prefixes
 T_post  rewards + suffixes + backward + optimizer
-S     measured saving: T_D + T_P − (Phase-1 makespan); bound: min(T_D, T_P)
+S     measured saving: T_D + T_P − (Phase-1 makespan, ``eq1/phase1``); bound: min(T_D, T_P)
 
 Decode is timed at the synchronisation points it already has (types.DecodeTimeline). When the prefixes
 finish before decode does, the decode rate after they finished is its standalone rate, so

@@ -73,14 +73,9 @@ class CoRunPolicy:
 
 
 def auto_candidates(device: torch.device) -> list[CoRunPolicy]:
-    """The policies ``auto`` tries: prefixes after decode, overlap with and without decode priority,
-    chunked issue (one group at a time), and an SM carve-out keeping half the SMs free of prefix GEMMs."""
-    candidates = [
-        CoRunPolicy(overlap=False),
-        CoRunPolicy(),
-        CoRunPolicy(decode_priority=False),
-        CoRunPolicy(chunk_groups=1),
-    ]
+    """The policies ``auto`` tries: prefixes after decode, overlap with decode priority, chunked issue
+    (one group at a time), and an SM carve-out keeping half the SMs free of prefix GEMMs."""
+    candidates = [CoRunPolicy(overlap=False), CoRunPolicy(), CoRunPolicy(chunk_groups=1)]
     if device.type == "cuda":
         sms = torch.cuda.get_device_properties(device).multi_processor_count
         candidates.append(CoRunPolicy(sm_carveout=sms // 2))
@@ -247,7 +242,7 @@ class RollplexSchedule:
         )
         self._learn(policy, first.makespan)
         self.step_index += 1
-        extra = {**terms, "eq1/T_post": timer.now() - post_start, "time/phase1": first.makespan}
+        extra = {**terms, "eq1/T_post": timer.now() - post_start, "eq1/phase1": first.makespan}
         extra["schedule/overlap"] = float(policy.overlap)
         extra["schedule/chunk_groups"] = float(policy.chunk_groups)
         extra["schedule/sm_carveout"] = float(policy.sm_carveout)

@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 from PIL import Image
 
 from rollplex.observe.metrics import MetricsWriter
 from rollplex.observe.report import (
     accuracy_figure,
+    bench_report,
+    eq1_figure,
     keys_with_prefix,
     make_report,
     mean_breakdown,
@@ -168,3 +172,55 @@ def test_timeline_from_trace(tmp_path):
     fig = timeline_figure(__import__("json").loads((tmp_path / "trace.json").read_text()))
     labels = [t.get_text() for t in fig.axes[0].get_yticklabels()]
     assert labels == ["decode", "prefix", "main"]
+
+
+def test_overlapped_phase1_is_counted_once():
+    """An overlapped step's rollout and prefix spans are replaced by the Phase-1 makespan."""
+    rows = [
+        {
+            "step": 1,
+            "time/rollout": 2.0,
+            "time/prefix": 1.5,
+            "time/actor": 1.0,
+            "time/step": 3.5,
+            "eq1/phase1": 2.2,
+            "schedule/overlap": 1,
+        },
+        {
+            "step": 2,
+            "time/rollout": 2.0,
+            "time/prefix": 1.5,
+            "time/actor": 1.0,
+            "time/step": 4.5,
+            "eq1/phase1": 3.5,
+            "schedule/overlap": 0,
+        },
+    ]
+    steps, table = step_times(rows)
+    other = table.pop("other")
+    assert other == pytest.approx([0.3, 0.0])
+    assert table == {"actor": [1.0, 1.0], "phase1": [2.2, 0.0], "rollout": [0.0, 2.0], "prefix": [0.0, 1.5]}
+
+
+def test_eq1_and_schedule_bench_figures(tmp_path):
+    rows = [
+        {"step": s, "eq1/T_D": 2.0, "eq1/T_P": 1.0, "eq1/delta_D": 0.2, "eq1/S": 0.8, "eq1/bound": 1.0}
+        for s in (1, 2, 3)
+    ]
+    assert set(_lines(eq1_figure(rows))) >= {"T_D (decode alone)", "S (measured saving)"}
+    assert eq1_figure([{"step": 1, "eq1/T_D": 2.0}]) is None  # serial: no prefix timed apart
+    result = {
+        "rows": {
+            "serial": {"step_s_median": 10.0, "eq1/T_post": 6.0, "speedup_vs_serial": 1.0},
+            "both": {"step_s_median": 8.0, "eq1/T_post": 6.0, "speedup_vs_serial": 1.25},
+            "broken": {"error": "out of memory"},
+        }
+    }
+    path = tmp_path / "bench.json"
+    path.write_text(json.dumps(result))
+    png = bench_report(path)
+    assert png == tmp_path / "bench.png"
+    _assert_png(png, (900, 200))
+    (tmp_path / "bad.json").write_text("{}")
+    with pytest.raises(ValueError, match="not a rollplex bench schedule result"):
+        bench_report(tmp_path / "bad.json")
