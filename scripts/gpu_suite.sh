@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # GPU tests and benchmarks in one call. Usage: scripts/gpu_suite.sh [tests] [train] [prefix] [decode] [schedule]
 # (no argument = all). Results go under $OUT (default ./gpu-results): logs, metrics and JSON tables.
-# SCHEDULE_ROWS picks the rows of the schedule benchmark (default: rollplex bench schedule's default rows);
-# SCHEDULE_NAME names its output files (default bench-schedule).
+# SCHEDULE_ROWS picks the rows of the schedule benchmark (default: rollplex bench schedule's default rows),
+# SCHEDULE_ARGS adds options (e.g. "--warmup 1 --steps 1"), SCHEDULE_NAME names its output files.
 # Wheels missing from the GPU image (PyAV, rouge-score, nltk) are installed from .whl/ when present.
 set -uo pipefail
 OUT=${OUT:-gpu-results}
@@ -38,7 +38,8 @@ for stage in $stages; do
       rollplex bench decode --out "$OUT/bench-decode.json" 2>&1 | tee "$OUT/bench-decode.log" || status=1 ;;
     schedule)
       name=${SCHEDULE_NAME:-bench-schedule}
-      rollplex bench schedule ${SCHEDULE_ROWS:+--rows "$SCHEDULE_ROWS"} --out "$OUT/$name.json" 2>&1 \
+      # shellcheck disable=SC2086
+      rollplex bench schedule ${SCHEDULE_ROWS:+--rows "$SCHEDULE_ROWS"} ${SCHEDULE_ARGS:-} --out "$OUT/$name.json" 2>&1 \
         | tee "$OUT/$name.log" || status=1 ;;
   esac
 done
