@@ -147,6 +147,8 @@ def _bench_decode(args: argparse.Namespace) -> None:
     options = {name: getattr(args, name) for name in fields if getattr(args, name) is not None}
     if args.variants is not None:
         options["variants"] = tuple(v.strip() for v in args.variants.split(","))
+    if args.profile_steps:
+        options["profile_steps"] = args.profile_steps
     run_decode_bench(DecodeBenchConfig(**options), args.out)
 
 
@@ -185,6 +187,7 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     p = bench.add_parser("decode", help="the decode step against its memory roofline")
     _add_workload_arguments(p)
     p.add_argument("--variants", help="comma-separated subset of eager,graphs,graphs+compile (default all)")
+    p.add_argument("--profile-steps", type=int, help="profile this many captured steps (CUDA; kernel table)")
     p.set_defaults(handler=_bench_decode)
 
 

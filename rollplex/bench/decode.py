@@ -37,6 +37,7 @@ class DecodeBenchConfig(Workload):
 
     variants: tuple[str, ...] = tuple(VARIANTS)
     eager_tokens: int = 48
+    profile_steps: int = 0
 
 
 @dataclass
@@ -122,11 +123,34 @@ def run_decode_bench(cfg: DecodeBenchConfig, out: Path | None = None) -> DecodeB
             "roofline_ratio": per_step / roofline,
         }
         print(f"  {name}: {per_step * 1e3:.3f} ms/step, {per_step / roofline:.2f}x roofline", flush=True)
+    if cfg.profile_steps:
+        table = profile_steps(model, prefix, cfg.group_size, cfg.response_tokens, cfg.profile_steps)
+        print(table)
+        if out is not None:
+            out.with_suffix(".profile.txt").write_text(table)
     _print(result)
     if out is not None:
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps(asdict(result), indent=2))
     return result
+
+
+def profile_steps(model, prefix, group_size: int, budget: int, steps: int) -> str:
+    """torch.profiler table (top 30 by device time) of ``steps`` CUDA-graph replays of the decode step,
+    at response positions spread over the budget."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from rollplex.rollout.decode import StaticDecoder
+
+    decoder = StaticDecoder(model, prefix, group_size, budget, graphs=True)
+    decoder.capture()
+    token = torch.zeros(prefix.num_groups * group_size, dtype=torch.long, device=prefix.last_logprobs.device)
+    positions = [int(i * (budget - 2) / max(1, steps - 1)) for i in range(steps)]
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for step in positions:
+            decoder.step(token, step)
+        torch.cuda.synchronize()
+    return prof.key_averages().table(sort_by="cuda_time_total", row_limit=30, max_name_column_width=70)
 
 
 class _NoText:
