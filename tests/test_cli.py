@@ -177,9 +177,14 @@ def test_report_dispatch_and_missing_component(tmp_path, monkeypatch, capsys):
         monkeypatch,
         "rollplex.observe.report",
         make_report=lambda run_dir: pngs if run_dir == tmp_path else [],
+        bench_report=lambda path: path.with_suffix(".png"),
     )
     assert main(["report", str(tmp_path)]) == 0
     assert capsys.readouterr().out.splitlines() == [str(p) for p in pngs]
+    bench = tmp_path / "schedule.json"
+    bench.write_text("{}")
+    assert main(["report", str(bench)]) == 0  # a file is a bench schedule result
+    assert capsys.readouterr().out.splitlines() == [str(tmp_path / "schedule.png")]
     monkeypatch.setitem(sys.modules, "rollplex.models.presets", None)  # a component that cannot be imported
     with pytest.raises(ImportError):
         main(["model", "init", "--preset", "tiny", "--out", str(tmp_path)])
