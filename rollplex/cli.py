@@ -210,12 +210,18 @@ def _add_data(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--out", type=Path, required=True, help="output folder (the data root)")
     p.add_argument("--num", type=int, required=True, help="number of records")
     p.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
-    p.add_argument("--width", type=int, help="frame width in pixels")
-    p.add_argument("--height", type=int, help="frame height in pixels")
-    p.add_argument("--frames", type=int, help="frames per video")
-    p.add_argument("--fps", type=float, help="video frame rate (frames per second)")
-    p.add_argument("--val-fraction", type=float, help="fraction of records in the held-out split")
-    p.add_argument("--families", type=_families, help="comma-separated question families")
+    p.add_argument("--width", type=int, help="frame width in pixels (default 112)")
+    p.add_argument("--height", type=int, help="frame height in pixels (default 112)")
+    p.add_argument("--frames", type=int, help="frames per video (default 8)")
+    p.add_argument("--fps", type=float, help="video frame rate, frames per second (default 4)")
+    p.add_argument(
+        "--val-fraction", type=float, help="fraction of records in the held-out split (default 0.2)"
+    )
+    p.add_argument(
+        "--families",
+        type=_families,
+        help="comma-separated question families (default color,direction,count,collision)",
+    )
     p.set_defaults(handler=_data_synth)
 
 

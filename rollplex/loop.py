@@ -38,7 +38,7 @@ from rollplex.data.encode import PromptBuilder
 from rollplex.data.loader import PromptSource
 from rollplex.data.records import load_records
 from rollplex.data.vision import ImageSampling, VideoSampling
-from rollplex.models.forward import prepare_model
+from rollplex.models.forward import enable_checkpointing, prepare_model
 from rollplex.models.positions import VisionTokens
 from rollplex.observe.metrics import MetricsWriter, PhaseTimer, ProgressBar, write_chrome_trace
 from rollplex.optim import MasterWeightAdamW, learning_rate
@@ -138,8 +138,7 @@ def build_run(cfg: Config) -> Run:
         actor.model.visual.requires_grad_(False)
     if cfg.model.gradient_checkpointing:
         # transformers checkpoints a layer only in training mode; Qwen2.5-VL has no active dropout.
-        actor.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        actor.train(True)
+        enable_checkpointing(actor)
     reference = load_model(cfg.model.path, dtype, device, trainable=False) if cfg.algo.kl_coef > 0 else None
     banned, eos_ids, pad = special_ids(actor, processor.tokenizer, cfg.model.path)
     sampling = SamplingParams.from_config(cfg.rollout, eos_ids, pad, banned.to(device))

@@ -32,6 +32,7 @@ import torch
 from rollplex.bench.common import PromptShape, Workload, bench_device, random_model, synthetic_prompt
 from rollplex.bench.decode import copy_bandwidth, step_bytes
 from rollplex.config import load_config
+from rollplex.models.forward import enable_checkpointing
 from rollplex.observe.metrics import PhaseTimer
 from rollplex.optim import MasterWeightAdamW
 from rollplex.phases import Roles
@@ -80,8 +81,7 @@ class _Workload:
         dtype = getattr(torch, cfg.dtype)
         self.actor = random_model(cfg.preset, device, dtype)
         if cfg.gradient_checkpointing:
-            self.actor.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-            self.actor.train(True)
+            enable_checkpointing(self.actor)
         self.reference = copy.deepcopy(self.actor).requires_grad_(False)
         self.initial = {k: v.detach().clone() for k, v in self.actor.state_dict().items()}
         self.tokenizer = build_tokenizer(cfg.preset)
@@ -159,13 +159,14 @@ def _run_row(work: _Workload, name: str, cfg: ScheduleBenchConfig) -> tuple[dict
         row["peak_memory_gib"] = torch.cuda.max_memory_allocated(work.device) / 2**30
     if getattr(step, "trials", None):
         row["auto_policy"] = step.policy.name
-        row["auto_trials_phase1_s"] = {policy.name: t for policy, t in step.timings.items()}
+        row["auto_trials_span_s"] = {p.name: statistics.median(t) for p, t in step.timings.items()}
     print(f"  {name}: {row['step_s_median']:.3f} s/step (spread {row['step_s_spread']:.3f})", flush=True)
     return row, {k: v.detach().clone() for k, v in work.actor.state_dict().items()}
 
 
 def _summarise(rows: dict, tokens: int, roofline_s: float) -> None:
-    """Speedup and saving over serial, and decode seconds per step against the roofline, per row."""
+    """Speedup and saving over serial, and decode seconds per step against the roofline, per row
+    (standalone decode time T_D over the decode steps; ``tokens`` − 1 where a row does not count them)."""
     serial = rows.get("serial", {}).get("step_s_median")
     for row in rows.values():
         if "error" in row:
@@ -173,7 +174,7 @@ def _summarise(rows: dict, tokens: int, roofline_s: float) -> None:
         if serial is not None:
             row["speedup_vs_serial"] = serial / row["step_s_median"]
             row["saving_vs_serial_s"] = serial - row["step_s_median"]
-        per_step = row.get("eq1/T_D", float("nan")) / max(1, tokens - 1)
+        per_step = row.get("eq1/T_D", float("nan")) / max(1, row.get("eq1/decode_steps", tokens - 1))
         row["decode_ms_per_step"] = per_step * 1e3
         row["decode_roofline_ratio"] = per_step / roofline_s
 
@@ -248,5 +249,5 @@ def _print(result: ScheduleBenchResult) -> None:
         print(f"{name:20} " + " ".join(f"{row.get(k, float('nan')):12.4g}" for k in keys))
     for name, row in result.rows.items():
         if "auto_policy" in row:
-            trials = ", ".join(f"{p} {t:.3f} s" for p, t in row["auto_trials_phase1_s"].items())
-            print(f"{name}: Phase 1 per policy: {trials}; kept {row['auto_policy']}")
+            trials = ", ".join(f"{p} {t:.3f} s" for p, t in row["auto_trials_span_s"].items())
+            print(f"{name}: median decode/prefix span per policy: {trials}; kept {row['auto_policy']}")

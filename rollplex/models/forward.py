@@ -42,6 +42,18 @@ def prepare_model(model) -> None:
     model.model.language_model.config._attn_implementation = ATTENTION_NAME
 
 
+def enable_checkpointing(model) -> None:
+    """Recompute each decoder (and vision) layer in backward, keeping only its input: transformers'
+    activation checkpointing (``activation_checkpointing_enable``; ``gradient_checkpointing_enable``
+    on releases before it), non-reentrant, in training mode (Qwen2.5-VL has no active dropout)."""
+    enable = getattr(model, "activation_checkpointing_enable", None)
+    if enable is not None:
+        enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.train(True)
+
+
 def _vision_output(model, pixels: torch.Tensor, grid_thw: torch.Tensor) -> torch.Tensor:
     """Merged vision embeddings [tokens, Hd] of all images (or all videos) of one prompt.
 

@@ -9,7 +9,7 @@ Figures written to ``run_dir/report/`` (a figure whose keys are all missing is n
   Phase-1 prefixes overlapped decode, ``rollout`` and ``prefix`` are replaced by the Phase-1 makespan
   (``phase1``), so the bars never count overlapped time twice.
 - ``eq1.png``: the paper's Eq. 1 terms per step (``eq1/*``: T_D, T_P, decode as run = T_D + ΔD,
-  saving S and the bound min(T_D, T_P)).
+  saving S and the bound min(T_D, T_P); schedule.eq1 defines them).
 - ``training.png``: one panel per diagnostic present (loss, kl, clip_fraction, entropy, ...).
 
 Matplotlib is used through ``Figure`` objects and its Agg canvas, without pyplot's global state.
@@ -84,8 +84,8 @@ def _phase1_merged(row: dict) -> dict:
 
 EQ1_LINES = (
     ("eq1/T_D", "T_D (decode alone)"),
-    ("eq1/T_P", "T_P (prefix makespan)"),
-    ("eq1/delta_D", "ΔD (decode slowdown)"),
+    ("eq1/T_P", "T_P (prefixes alone)"),
+    ("eq1/decode_as_run", "decode as run (T_D + ΔD)"),
     ("eq1/S", "S (measured saving)"),
     ("eq1/bound", "bound min(T_D, T_P)"),
 )
@@ -97,6 +97,12 @@ def eq1_figure(rows: Sequence[dict]) -> Figure | None:
         return None
     fig = Figure(figsize=(8, 4))
     ax = fig.add_subplot()
+    rows = [
+        {**row, "eq1/decode_as_run": row["eq1/T_D"] + row["eq1/delta_D"]}
+        if row.get("eq1/T_D") is not None and row.get("eq1/delta_D") is not None
+        else row
+        for row in rows
+    ]
     for key, label in EQ1_LINES:
         steps, values = series(rows, key)
         if steps:

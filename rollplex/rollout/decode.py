@@ -186,7 +186,8 @@ class StaticDecoder:
         window: own-key window granularity in tokens.
 
     Raises:
-        ValueError: the model's MLP activation is not SiLU (the only one Qwen2.5-VL uses).
+        ValueError: the model's MLP activation is not SiLU (the only one Qwen2.5-VL uses), or sliding-
+            window attention is on (the step attends to every key).
     """
 
     def __init__(
@@ -204,6 +205,8 @@ class StaticDecoder:
         config = lm.config
         if config.hidden_act != "silu":
             raise ValueError(f"decode supports hidden_act 'silu', got {config.hidden_act!r}")
+        if getattr(config, "use_sliding_window", False):
+            raise ValueError("decode attends to every key; the model config has use_sliding_window on")
         attention = lm.layers[0].self_attn
         keys = prefix.keys[0]
         self.shape = DecodeShape(
@@ -262,13 +265,19 @@ class StaticDecoder:
             hidden = out(hidden, q, keys, values, own_k, own_v, bias, weights, s)
         return self.model.lm_head(lm.norm(hidden))
 
+    @torch.no_grad()
     def capture(self) -> None:
         """Warm up and capture one CUDA graph per own-key window (no-op without graphs). Call before
-        other threads put work on the device: capture must not interleave with their allocations."""
+        other threads put work on the device: capture must not interleave with their allocations.
+
+        Graphs are captured on a stream of the current stream's priority: PyTorch instantiates graphs
+        with per-node priorities, so replayed kernels keep the priority of the stream they were
+        captured on (not the one they are replayed on)."""
         if not self.use_graphs:
             return
         lengths = sorted({self.own_window(step) for step in range(self.shape.budget)})
-        warm = torch.cuda.Stream(self.token.device)
+        current = torch.cuda.current_stream(self.token.device)
+        warm = torch.cuda.Stream(self.token.device, priority=current.priority)
         warm.wait_stream(torch.cuda.current_stream(self.token.device))
         with torch.cuda.stream(warm):
             for length in lengths:  # compilation, cuBLAS handles and workspaces happen here
@@ -302,13 +311,20 @@ class StaticDecoder:
     @torch.no_grad()
     def step(self, token: torch.Tensor, step: int) -> torch.Tensor:
         """Logits [B, V] (model dtype) of the next token after ``token`` (int64 [B]) at response
-        position ``step``; writes the token's keys/values into the cache."""
+        position ``step``; writes the token's keys/values into the cache.
+
+        Raises:
+            RuntimeError: graphs are on and ``capture()`` has not run (capturing here, possibly while
+                another thread uses the device, is never done implicitly).
+        """
         self.token.copy_(token)
         self.step_index.fill_(step)
         length = self.own_window(step)
         if self.use_graphs:
             if length not in self._graphs:
-                self.capture()
+                raise RuntimeError(
+                    f"no captured decode graph for own-key window {length}: call capture() first"
+                )
             graph, logits = self._graphs[length]
             graph.replay()
             return logits

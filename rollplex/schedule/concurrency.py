@@ -8,14 +8,18 @@ Who waits on what:
                                                                      decode and prefix streams; boundary
                                                                      tensors are marked as used by it
 
-Co-running levers (DESIGN.md §4): decode on a high-priority stream (``decode_stream``), the prefix
-work issued in chunks (the caller synchronises the worker stream between chunks), and an SM carve-out
-that keeps the prefix's cuBLAS matrix products off some SMs while the worker runs (``SideWork``'s
-``sm_carveout``; captured decode graphs keep the kernels they were captured with).
+Co-running levers (DESIGN.md §4): decode on a high-priority stream (``decode_stream``; its CUDA graphs
+are captured on a stream of the same priority), the prefix work issued in chunks (the caller
+synchronises the worker stream between chunks), and an SM carve-out that keeps cuBLAS matrix products
+launched from ``SideWork.start`` until ``SideWork.decode_done`` off some SMs. The carve-out is process
+state: it is meant for captured decode, whose graphs keep the kernels they were captured with, and is
+lifted as soon as decode ends so prefix work left over runs on the whole GPU.
 
 Stream-ordered memory: tensors allocated on the decode or worker stream and later used on the main
 stream are safe to free because each Phase 1 starts with those streams waiting on the main stream,
-which orders any reuse of their memory after every earlier main-stream use.
+which orders any reuse of their memory after every earlier main-stream use. The attached actor
+prefix's backward (Phase 2) runs its ops on the worker stream, where their forward ran; autograd orders
+those against the main stream itself.
 
 This module is the only place that creates threads or streams for the schedule; model code never
 synchronises. On the CPU the worker is a plain thread (torch releases the GIL inside its kernels), so the
@@ -65,12 +69,16 @@ def on_stream(stream: torch.cuda.Stream | None):
         current.wait_stream(stream)
 
 
-def set_sm_carveout(sms: int | None) -> None:
+def set_sm_carveout(sms: int | None) -> int | None:
     """Keep ``sms`` streaming multiprocessors free of cuBLAS matrix products launched from now on
-    (None = no carve-out). A no-op where torch lacks the setting."""
+    (None = no carve-out); returns the previous setting. A no-op returning None where torch lacks it."""
+    getter = getattr(torch._C, "_get_sm_carveout_experimental", None)
     setter = getattr(torch._C, "_set_sm_carveout_experimental", None)
-    if setter is not None:
-        setter(sms)
+    if getter is None or setter is None:
+        return None
+    previous = getter()
+    setter(sms)
+    return previous
 
 
 def stream_sync(device: torch.device) -> None:
@@ -98,9 +106,12 @@ class SideWork:
     """
 
     def __init__(self, fn: Callable[[], object], device: torch.device, sm_carveout: int = 0):
-        self.fn, self.device, self.sm_carveout = fn, device, sm_carveout
+        self.fn, self.device = fn, device
         self.stream = side_stream(device) if device.type == "cuda" else None
+        self.sm_carveout = sm_carveout if self.stream is not None else 0
         self.started = False
+        self._carveout_before: int | None = None
+        self._carveout_on = False
         self._thread = threading.Thread(target=self._run, name="rollplex-prefix", daemon=True)
         self._result: SideResult | None = None
         self._error: BaseException | None = None
@@ -108,29 +119,34 @@ class SideWork:
     def start(self) -> SideWork:
         if self.stream is not None:
             self.stream.wait_stream(torch.cuda.current_stream(self.device))  # inputs are ready
+        if self.sm_carveout > 0:
+            self._carveout_before, self._carveout_on = set_sm_carveout(self.sm_carveout), True
         self._thread.start()
         self.started = True
         return self
 
+    def decode_done(self) -> None:
+        """Lift the SM carve-out (restoring the previous setting); the work continues on the whole GPU."""
+        if self._carveout_on:
+            set_sm_carveout(self._carveout_before)
+            self._carveout_on = False
+
     def _run(self) -> None:
         context = torch.cuda.stream(self.stream) if self.stream is not None else contextlib.nullcontext()
-        carveout = self.sm_carveout > 0 and self.stream is not None
         try:
             with context:
-                if carveout:
-                    set_sm_carveout(self.sm_carveout)
                 start = time.perf_counter()
-                value = self.fn()
-                stream_sync(self.device)
+                try:
+                    value = self.fn()
+                finally:
+                    stream_sync(self.device)  # also after an error: nothing of fn stays queued
                 self._result = SideResult(value, start, time.perf_counter())
         except BaseException as err:  # handed to the main thread by join()
             self._error = err
-        finally:
-            if carveout:
-                set_sm_carveout(None)
 
     def wait(self) -> None:
         """Wait for the worker, if it started, without taking its result (when the main thread failed)."""
+        self.decode_done()
         if self.started:
             self._thread.join()
 
@@ -142,6 +158,7 @@ class SideWork:
         Raises:
             whatever ``fn`` raised.
         """
+        self.decode_done()
         self._thread.join()
         if self._error is not None:
             raise self._error

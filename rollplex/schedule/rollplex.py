@@ -17,13 +17,15 @@ take the RolloutBatch and the joined worker's PrefixStates as arguments.
 The update is the serial schedule's update: same θ_k, responses, prefixes and loss, so on the CPU the
 parameters after any number of steps are bitwise equal to ``serial``'s (tests/schedule). The co-running
 policy (overlap or not, decode priority, prefix chunks, SM carve-out) changes timing only. The first
-step runs its prefixes after decode, to measure decode alone (Eq. 1's T_D); ``auto`` then tries each
-policy once and keeps the one with the shortest Phase 1.
+step runs its prefixes after decode, to measure decode and prefixes alone (Eq. 1's T_D and T_P);
+``auto`` then tries each policy twice, round robin, and keeps the one whose median decode/prefix span
+is shortest.
 """
 
 from __future__ import annotations
 
 import logging
+import statistics
 from dataclasses import dataclass, replace
 
 import torch
@@ -40,7 +42,7 @@ from rollplex.phases import (
     uses_reference,
 )
 from rollplex.schedule.concurrency import SideResult, SideWork, decode_stream, on_stream, stream_sync
-from rollplex.schedule.eq1 import phase1_terms
+from rollplex.schedule.eq1 import Standalone, phase1_terms
 from rollplex.types import PrefixState, Prompt, RolloutBatch, ScoredBatch
 
 log = logging.getLogger(__name__)
@@ -70,6 +72,9 @@ class CoRunPolicy:
         parts += [f"chunk{self.chunk_groups}"] if self.chunk_groups else []
         parts += [f"carveout{self.sm_carveout}"] if self.sm_carveout else []
         return "+".join(parts)
+
+
+AUTO_TRIALS_PER_POLICY = 2
 
 
 def auto_candidates(device: torch.device) -> list[CoRunPolicy]:
@@ -151,7 +156,8 @@ def _overlapped(
     """Decode on the main thread while ``side()`` runs on the worker, started once decode is ready."""
     n, sampling, device = roles.config.rollout.group_size, roles.sampling, roles.banned_ids.device
     stream = decode_stream(device) if policy.decode_priority and device.type == "cuda" else None
-    worker = SideWork(side, device, sm_carveout=policy.sm_carveout)
+    carveout = policy.sm_carveout if sampling.cuda_graphs else 0  # eager decode would be carved out too
+    worker = SideWork(side, device, sm_carveout=carveout)
     start = timer.now()
     with on_stream(stream):
         try:
@@ -160,6 +166,7 @@ def _overlapped(
             worker.wait()  # never leave prefix work running against θ_k behind an error
             raise
         stream_sync(device)
+    worker.decode_done()  # prefix work left over gets the whole GPU
     result = worker.join(_boundary_tensors)
     timer.record("rollout", start, rollout.timeline.end, "decode")
     timer.record("prefix", result.start, result.end, "prefix")
@@ -185,40 +192,43 @@ def phase1(roles: Roles, prompts: list[Prompt], timer, policy: CoRunPolicy) -> P
 
 class RollplexSchedule:
     """The Rollplex step (``run.schedule`` rollplex or auto) with what it learns across steps: the
-    standalone decode rate behind Eq. 1's T_D, and for ``auto`` the policy trials and the choice."""
+    standalone decode and side-work times behind Eq. 1's T_D and T_P, and for ``auto`` the policy
+    trials and the choice."""
 
     def __init__(self, cfg: Config, device: torch.device):
         self.policy = CoRunPolicy.from_config(cfg)
         self.trials: list[CoRunPolicy] = []
-        self.timings: dict[CoRunPolicy, float] = {}
+        self.timings: dict[CoRunPolicy, list[float]] = {}
         if cfg.run.schedule == "auto":
-            self.trials = auto_candidates(device)
+            self.trials = auto_candidates(device) * AUTO_TRIALS_PER_POLICY
             self.policy = self.trials[0]
-        self.seconds_per_step: float | None = None
+        self.alone = Standalone()
         self.step_index = 0
 
     def _next_policy(self) -> CoRunPolicy:
-        """The first step runs the prefixes after decode (a calibration: it measures T_D and T_P alone,
-        and is the warm-up of graph capture and compilation); ``auto`` then tries each candidate once
-        and keeps the fastest; otherwise the configured policy."""
+        """The first step runs the side work after decode (a calibration: it measures decode and side
+        work alone, and warms up compilation and the allocator); ``auto`` then tries each candidate
+        ``AUTO_TRIALS_PER_POLICY`` times, round robin, and keeps the fastest; otherwise the configured
+        policy."""
         if self.step_index == 0:
             return replace(self.policy, overlap=False)
-        if not self.trials:
-            return self.policy
         trial = self.step_index - 1
         if 0 <= trial < len(self.trials):
             return self.trials[trial]
         return self.policy
 
-    def _learn(self, policy: CoRunPolicy, makespan: float) -> None:
+    def _learn(self, policy: CoRunPolicy, span: float) -> None:
+        """Record a trial's decode/side-work span; after the last trial keep the policy whose median
+        span is shortest (the span is the only part of the step a policy changes)."""
         trial = self.step_index - 1
-        if not self.trials or not 0 <= trial < len(self.trials):
+        if not 0 <= trial < len(self.trials):
             return
-        self.timings[policy] = makespan
+        self.timings.setdefault(policy, []).append(span)
         if trial == len(self.trials) - 1:
-            self.policy = min(self.timings, key=self.timings.get)
-            table = ", ".join(f"{p.name} {t:.3f} s" for p, t in self.timings.items())
-            log.info("auto schedule: Phase 1 took %s; keeping %s", table, self.policy.name)
+            medians = {p: statistics.median(t) for p, t in self.timings.items()}
+            self.policy = min(medians, key=medians.get)
+            table = ", ".join(f"{p.name} {t:.3f} s" for p, t in medians.items())
+            log.info("auto schedule: decode/prefix span %s; keeping %s", table, self.policy.name)
 
     def __call__(
         self, roles: Roles, prompts: list[Prompt], timer
@@ -237,25 +247,13 @@ class RollplexSchedule:
             stats = [actor_backward(roles, scored, list(range(len(prompts))), None, prefixes=first.actor)]
         with timer.phase("optimizer"):
             norms = [roles.optimizer.clip_and_step(cfg.optim.max_grad_norm)]
-        terms, self.seconds_per_step = phase1_terms(
-            first.rollout.timeline, first.prefix_span, first.overlapped, self.seconds_per_step
+        terms, self.alone = phase1_terms(
+            first.rollout.timeline, first.prefix_span, first.overlapped, self.alone
         )
-        self._learn(policy, first.makespan)
+        self._learn(policy, terms["eq1/span"])
         self.step_index += 1
         extra = {**terms, "eq1/T_post": timer.now() - post_start, "eq1/phase1": first.makespan}
         extra["schedule/overlap"] = float(policy.overlap)
         extra["schedule/chunk_groups"] = float(policy.chunk_groups)
         extra["schedule/sm_carveout"] = float(policy.sm_carveout)
         return scored, stats, norms, extra
-
-
-def with_policy(cfg: Config, policy: CoRunPolicy) -> Config:
-    """``cfg`` with the run section set to ``policy`` (for benchmarks and tests)."""
-    run = replace(
-        cfg.run,
-        overlap=policy.overlap,
-        decode_priority=policy.decode_priority,
-        prefix_chunk_groups=policy.chunk_groups,
-        prefix_sm_carveout=policy.sm_carveout,
-    )
-    return replace(cfg, run=run)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from rollplex.models.forward import prefix_forward, suffix_logprobs
+from rollplex.models.forward import enable_checkpointing, prefix_forward, suffix_logprobs
 from tests.numerics.conftest import BANNED, IMAGE, V_START, VIDEO, full_logprobs, make_prompt
 
 N, R, T = 3, 6, 0.7
@@ -152,8 +152,7 @@ def test_gradient_checkpointing_changes_no_gradient(models):
 
     model = models[0]
     ckpt = copy.deepcopy(model)
-    ckpt.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    ckpt.train(True)
+    enable_checkpointing(ckpt)
     prompts, responses, lens = _batch()
     grads = []
     for m in (model, ckpt):

@@ -207,7 +207,9 @@ def test_eq1_and_schedule_bench_figures(tmp_path):
         {"step": s, "eq1/T_D": 2.0, "eq1/T_P": 1.0, "eq1/delta_D": 0.2, "eq1/S": 0.8, "eq1/bound": 1.0}
         for s in (1, 2, 3)
     ]
-    assert set(_lines(eq1_figure(rows))) >= {"T_D (decode alone)", "S (measured saving)"}
+    lines = _lines(eq1_figure(rows))
+    assert set(lines) >= {"T_D (decode alone)", "S (measured saving)", "decode as run (T_D + ΔD)"}
+    assert list(lines["decode as run (T_D + ΔD)"].get_ydata()) == [2.2, 2.2, 2.2]
     assert eq1_figure([{"step": 1, "eq1/T_D": 2.0}]) is None  # serial: no prefix timed apart
     result = {
         "rows": {

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import pytest
 import torch
 
 from rollplex.loop import train
-from rollplex.schedule.eq1 import KEYS, alone_seconds_per_step, phase1_terms
+from rollplex.schedule.eq1 import KEYS, Standalone, alone_seconds_per_step, phase1_terms
 from rollplex.schedule.rollplex import CoRunPolicy, RollplexSchedule, auto_candidates
 from rollplex.types import DecodeTimeline
 from tests.test_loop import _config, _metrics, assets  # noqa: F401  (fixture)
@@ -19,48 +20,70 @@ def _timeline(*marks):
 
 
 def test_overlapped_terms_by_hand():
-    """Prefixes 10.0–10.8 s co-run with a decode that ends at 11.2 s: alone it ran 16 steps in 0.4 s."""
-    terms, rate = phase1_terms(_timeline((0, 10.0), (16, 10.8), (32, 11.2)), (10.0, 10.8), True, None)
-    assert rate == pytest.approx(0.025)
-    expected = {"eq1/T_D": 0.8, "eq1/T_P": 0.8, "eq1/delta_D": 0.4, "eq1/S": 0.4, "eq1/bound": 0.8}
+    """Standalone 0.02 s per decode step and 0.7 s of side work; now 32 decode steps from 10.0 to
+    11.2 s with side work from 10.0 to 10.8 s."""
+    timeline = _timeline((0, 10.0), (16, 10.8), (32, 11.2))
+    terms, alone = phase1_terms(timeline, (10.0, 10.8), True, Standalone(0.02, 0.7))
+    assert alone == Standalone(0.02, 0.7)
+    expected = {
+        "eq1/T_D": 0.64,
+        "eq1/T_P": 0.7,
+        "eq1/T_P_corun": 0.8,
+        "eq1/delta_D": 0.56,
+        "eq1/span": 1.2,
+        "eq1/S": 0.14,
+        "eq1/bound": 0.64,
+        "eq1/decode_steps": 32,
+    }
     assert terms == pytest.approx(expected)
 
 
-def test_prefix_outlasting_decode_uses_the_known_rate():
-    """No decode step ran alone: T_D comes from the rate passed in (0.02 s/step × 32 = 0.64 s)."""
-    timeline = _timeline((0, 0.0), (16, 0.5), (32, 1.0))
-    assert alone_seconds_per_step(timeline, 1.5) is None
-    terms, rate = phase1_terms(timeline, (0.0, 1.5), True, 0.02)
-    assert rate == 0.02
-    assert terms["eq1/T_D"] == pytest.approx(0.64) and terms["eq1/delta_D"] == pytest.approx(0.36)
-    assert terms["eq1/S"] == pytest.approx(0.64 + 1.5 - 1.5)
-    assert math.isnan(phase1_terms(timeline, (0.0, 1.5), True, None)[0]["eq1/T_D"])
+def test_without_a_standalone_step_the_rate_after_the_side_work_stands_in():
+    """Decode alone from 10.8 s on: 16 steps in 0.4 s → T_D = 0.025 × 32 = 0.8; T_P unknown."""
+    timeline = _timeline((0, 10.0), (16, 10.8), (32, 11.2))
+    assert alone_seconds_per_step(timeline, 10.8) == pytest.approx(0.025)
+    terms, _ = phase1_terms(timeline, (10.0, 10.8), True, Standalone())
+    assert terms["eq1/T_D"] == pytest.approx(0.8) and terms["eq1/delta_D"] == pytest.approx(0.4)
+    assert math.isnan(terms["eq1/T_P"]) and math.isnan(terms["eq1/bound"]) and math.isnan(terms["eq1/S"])
+    assert alone_seconds_per_step(timeline, 11.5) is None  # side work outlasted decode
+    assert math.isnan(phase1_terms(timeline, (10.0, 11.5), True, Standalone())[0]["eq1/T_D"])
 
 
-def test_sequential_terms_save_nothing():
-    terms, rate = phase1_terms(_timeline((0, 2.0), (10, 3.0)), (3.0, 3.5), False, None)
-    assert rate == pytest.approx(0.1)
+def test_sequential_step_measures_the_standalone_figures():
+    terms, alone = phase1_terms(_timeline((0, 2.0), (10, 3.0)), (3.0, 3.5), False, Standalone())
+    assert alone == Standalone(pytest.approx(0.1), pytest.approx(0.5))
     assert terms == pytest.approx(
-        {"eq1/T_D": 1.0, "eq1/T_P": 0.5, "eq1/delta_D": 0.0, "eq1/S": 0.0, "eq1/bound": 0.5}
+        {
+            "eq1/T_D": 1.0,
+            "eq1/T_P": 0.5,
+            "eq1/T_P_corun": 0.5,
+            "eq1/delta_D": 0.0,
+            "eq1/span": 1.5,
+            "eq1/S": 0.0,
+            "eq1/bound": 0.5,
+            "eq1/decode_steps": 10,
+        }
     )
 
 
-def test_auto_tries_each_policy_once_then_keeps_the_fastest(assets, tmp_path):  # noqa: F811
+def test_auto_tries_each_policy_twice_then_keeps_the_fastest_median(assets, tmp_path):  # noqa: F811
     cfg = _config(assets, tmp_path, 1, **{"run.schedule": "auto"})
     schedule = RollplexSchedule(cfg, torch.device("cpu"))
     candidates = auto_candidates(torch.device("cpu"))
-    assert schedule.trials == candidates and candidates[0] == CoRunPolicy(overlap=False)
+    assert candidates[0] == CoRunPolicy(overlap=False) and schedule.trials == candidates * 2
+    spans = {c: [3.0 - i * 0.5, 3.0 - i * 0.5] for i, c in enumerate(candidates)}  # the last is fastest...
+    spans[candidates[1]] = [0.1, 9.0]  # ... a single lucky trial does not win: median 4.55
+    spans[candidates[0]] = [0.2, 0.3]  # ... two fast trials do
     seen = []
-    fake = {c: 3.0 - i * 0.5 for i, c in enumerate(candidates)}  # the last candidate is fastest
-    fake[candidates[1]] = 0.1  # ... except plain overlap
-    for _ in range(len(candidates) + 3):
+    for _ in range(1 + 2 * len(candidates) + 2):
         policy = schedule._next_policy()
         seen.append(policy)
-        schedule._learn(policy, fake[policy])
+        if schedule.step_index >= 1:
+            schedule._learn(policy, spans[policy].pop(0) if spans[policy] else 0.0)
         schedule.step_index += 1
-    assert seen[0] == candidates[0]  # warm-up
-    assert seen[1 : 1 + len(candidates)] == candidates
-    assert seen[1 + len(candidates) :] == [candidates[1]] * 2
+    assert seen[0] == replace(candidates[0], overlap=False)  # calibration
+    assert seen[1 : 1 + 2 * len(candidates)] == candidates * 2  # round robin
+    assert seen[1 + 2 * len(candidates) :] == [candidates[0]] * 2
 
 
 def test_metrics_hold_eq1_terms(assets, tmp_path):  # noqa: F811
