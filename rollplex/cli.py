@@ -186,7 +186,11 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(handler=_bench_schedule)
     p = bench.add_parser("decode", help="the decode step against its memory roofline")
     _add_workload_arguments(p)
-    p.add_argument("--variants", help="comma-separated subset of eager,graphs,graphs+compile (default all)")
+    p.add_argument(
+        "--variants",
+        help="comma-separated subset of eager,graphs,graphs+compile,graphs+triton,graphs+compile+triton "
+        "(default all)",
+    )
     p.add_argument("--profile-steps", type=int, help="profile this many captured steps (CUDA; kernel table)")
     p.set_defaults(handler=_bench_decode)
 

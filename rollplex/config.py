@@ -153,6 +153,12 @@ class RolloutConfig:
     graph_window: int = _field(
         128, "own-key window of the captured decode steps, tokens (one graph per window)", ge=1
     )
+    decode_attention: str = _field(
+        "dense",
+        "decode attention: dense (score tensors in memory) or triton (fused split-K kernel, CUDA; not yet "
+        "measured on the GPU)",
+        choices=("dense", "triton"),
+    )
 
 
 @dataclass(kw_only=True)

@@ -45,6 +45,7 @@ SPEC_DEFAULTS = {
         "cuda_graphs": True,
         "compile_decode": False,
         "graph_window": 128,
+        "decode_attention": "dense",
     },
     "algo": {
         "normalize_std": True, "clip_low": 0.2, "clip_high": 0.28, "kl_coef": 0.04, "kl_estimator": "k3",

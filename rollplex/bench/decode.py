@@ -8,7 +8,7 @@ rollout's own-key lengths 1..R.
 
 Variants (same prompts, same prefix): ``eager`` (the step's kernels launched one by one, only the first
 ``eager_tokens`` tokens), ``graphs`` (CUDA-graph replay), ``graphs+compile`` (torch.compile, then
-capture). Decode time comes from the rollout's own timeline, which starts after capture/compilation.
+capture), and both again with the fused Triton decode attention (``+triton``, rollout.decode_kernel). Decode time comes from the rollout's own timeline, which starts after capture/compilation.
 """
 
 from __future__ import annotations
@@ -28,6 +28,8 @@ VARIANTS = {
     "eager": {"cuda_graphs": False},
     "graphs": {"cuda_graphs": True},
     "graphs+compile": {"cuda_graphs": True, "compile": True},
+    "graphs+triton": {"cuda_graphs": True, "attention": "triton"},
+    "graphs+compile+triton": {"cuda_graphs": True, "compile": True, "attention": "triton"},
 }
 
 

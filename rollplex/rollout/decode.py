@@ -20,12 +20,14 @@ KV read once per group (the N rows' queries are stacked against it), never copie
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
+from rollplex.rollout.decode_kernel import fused_decode_attention
 from rollplex.types import PrefixState
 
 log = logging.getLogger(__name__)
@@ -154,6 +156,16 @@ def layer_qkv(
     return q, k, F.linear(x, wv, bv).view(b, shape.kv_heads, d)
 
 
+def layer_post(
+    hidden: torch.Tensor, attention: torch.Tensor, weights: tuple[torch.Tensor, ...], shape: DecodeShape
+) -> torch.Tensor:
+    """After attention [B, H·D]: o_proj, residual, post norm, SiLU-gated MLP, residual → hidden [B, Hd]."""
+    wo, ln2, gate, up, down = weights[7:]
+    hidden = hidden + F.linear(attention, wo)
+    x = rms_norm(hidden, ln2, shape.eps)
+    return hidden + F.linear(F.silu(F.linear(x, gate)) * F.linear(x, up), down)
+
+
 def layer_out(
     hidden: torch.Tensor,
     q: torch.Tensor,
@@ -165,12 +177,13 @@ def layer_out(
     weights: tuple[torch.Tensor, ...],
     shape: DecodeShape,
 ) -> torch.Tensor:
-    """Second half of a decoder layer: attention (``decode_attention``), o_proj, residual, post norm,
-    SiLU-gated MLP, residual. Shapes as in ``decode_attention``; returns hidden [B, Hd]."""
-    wo, ln2, gate, up, down = weights[7:]
-    hidden = hidden + F.linear(decode_attention(q, prefix_k, prefix_v, own_k, own_v, bias, shape), wo)
-    x = rms_norm(hidden, ln2, shape.eps)
-    return hidden + F.linear(F.silu(F.linear(x, gate)) * F.linear(x, up), down)
+    """Second half of a decoder layer with the dense attention: ``decode_attention`` then
+    ``layer_post``. Shapes as in ``decode_attention``; returns hidden [B, Hd]."""
+    attention = decode_attention(q, prefix_k, prefix_v, own_k, own_v, bias, shape)
+    return layer_post(hidden, attention, weights, shape)
+
+
+ATTENTION_BACKENDS = ("dense", "triton")
 
 
 class StaticDecoder:
@@ -184,10 +197,13 @@ class StaticDecoder:
         compile: compile the layer function with torch.compile before capture (CUDA only; falls back to
             the eager function with a warning if compilation fails).
         window: own-key window granularity in tokens.
+        attention: "dense" (``decode_attention``) or "triton" (rollout.decode_kernel, fused; CUDA, or
+            the CPU under ``TRITON_INTERPRET=1``).
 
     Raises:
-        ValueError: the model's MLP activation is not SiLU (the only one Qwen2.5-VL uses), or sliding-
-            window attention is on (the step attends to every key).
+        ValueError: the model's MLP activation is not SiLU (the only one Qwen2.5-VL uses), sliding-
+            window attention is on (the step attends to every key), or an unknown or unavailable
+            attention backend.
     """
 
     def __init__(
@@ -200,6 +216,7 @@ class StaticDecoder:
         graphs: bool = False,
         compile: bool = False,
         window: int = 128,
+        attention: str = "dense",
     ):
         lm = model.model.language_model
         config = lm.config
@@ -207,7 +224,7 @@ class StaticDecoder:
             raise ValueError(f"decode supports hidden_act 'silu', got {config.hidden_act!r}")
         if getattr(config, "use_sliding_window", False):
             raise ValueError("decode attends to every key; the model config has use_sliding_window on")
-        attention = lm.layers[0].self_attn
+        first_attention = lm.layers[0].self_attn
         keys = prefix.keys[0]
         self.shape = DecodeShape(
             groups=keys.shape[0],
@@ -216,7 +233,7 @@ class StaticDecoder:
             kv_heads=keys.shape[1],
             head_dim=keys.shape[3],
             budget=budget,
-            scaling=float(attention.scaling),
+            scaling=float(first_attention.scaling),
             eps=float(lm.layers[0].input_layernorm.variance_epsilon),
         )
         self.model, self.prefix = model, prefix
@@ -236,7 +253,8 @@ class StaticDecoder:
         )
         self.window = max(1, min(window, budget))
         use_cuda = device.type == "cuda"
-        self.layer_fns: tuple[Callable, Callable] = (layer_qkv, layer_out)
+        self.attention = _check_attention(attention, device)
+        self.layer_fns: tuple[Callable, Callable, Callable] = (layer_qkv, layer_out, layer_post)
         if compile and use_cuda:
             self.layer_fns = _compiled_layer()
         self.use_graphs = graphs and use_cuda
@@ -255,14 +273,21 @@ class StaticDecoder:
         bias = torch.cat([self.prefix_bias, torch.where(own, 0.0, NEG_INF).expand(s.rows, -1)], dim=1)
         bias = bias[:, None, None, :]
         hidden = lm.embed_tokens(self.token)
-        qkv, out = self.layer_fns
+        qkv, out, post = self.layer_fns
         for i, weights in enumerate(self.weights):
             q, k, v = qkv(hidden, cos, sin, weights, s)
             own_k, own_v = self.cache_k[i][:, :, :length], self.cache_v[i][:, :, :length]
             own_k.index_copy_(2, self.step_index, k[:, :, None])
             own_v.index_copy_(2, self.step_index, v[:, :, None])
             keys, values = self.prefix.keys[i], self.prefix.values[i]
-            hidden = out(hidden, q, keys, values, own_k, own_v, bias, weights, s)
+            if self.attention == "triton":
+                lens, step = self.prefix.prompt_lens, self.step_index
+                attention = fused_decode_attention(
+                    q, keys, values, lens, own_k, own_v, step, s.scaling, s.group_size
+                )
+                hidden = post(hidden, attention, weights, s)
+            else:
+                hidden = out(hidden, q, keys, values, own_k, own_v, bias, weights, s)
         return self.model.lm_head(lm.norm(hidden))
 
     @torch.no_grad()
@@ -302,10 +327,10 @@ class StaticDecoder:
         try:
             return self._forward(length)
         except Exception as err:  # noqa: BLE001 - any compiler failure leaves a working eager path
-            if self.layer_fns == (layer_qkv, layer_out):
+            if self.layer_fns == (layer_qkv, layer_out, layer_post):
                 raise
             log.warning("compiled decode step failed (%s: %s); using the eager step", type(err).__name__, err)
-            self.layer_fns = (layer_qkv, layer_out)
+            self.layer_fns = (layer_qkv, layer_out, layer_post)
             return self._forward(length)
 
     @torch.no_grad()
@@ -331,14 +356,24 @@ class StaticDecoder:
         return self._forward(length)
 
 
-_COMPILED: tuple[Callable, Callable] | None = None
+_COMPILED: tuple[Callable, Callable, Callable] | None = None
 
 
-def _compiled_layer() -> tuple[Callable, Callable]:
-    """``layer_qkv`` and ``layer_out`` under torch.compile, built once per process (the cache write
-    between them stays outside, so compiled code never mutates its inputs). The first own-key window
-    compiles for static shapes; a second window or prompt length recompiles once with symbolic sizes."""
+def _compiled_layer() -> tuple[Callable, Callable, Callable]:
+    """``layer_qkv``, ``layer_out`` and ``layer_post`` under torch.compile, built once per process (the
+    cache write between them stays outside, so compiled code never mutates its inputs). The first
+    own-key window compiles for static shapes; a second window or prompt length recompiles once with
+    symbolic sizes."""
     global _COMPILED
     if _COMPILED is None:
-        _COMPILED = (torch.compile(layer_qkv), torch.compile(layer_out))
+        _COMPILED = (torch.compile(layer_qkv), torch.compile(layer_out), torch.compile(layer_post))
     return _COMPILED
+
+
+def _check_attention(name: str, device: torch.device) -> str:
+    """The attention backend name, checked (see ``StaticDecoder``)."""
+    if name not in ATTENTION_BACKENDS:
+        raise ValueError(f"decode attention {name!r}: expected one of {ATTENTION_BACKENDS}")
+    if name == "triton" and device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ValueError("decode attention 'triton' runs on CUDA (or on the CPU under TRITON_INTERPRET=1)")
+    return name

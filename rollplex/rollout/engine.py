@@ -35,7 +35,8 @@ class SamplingParams:
     eos_ids (any of them ends a response), pad_id (fills finished rows), banned_ids int64 [k],
     eos_check_every (tokens between host checks for "every row finished"), cuda_graphs (replay the
     decode step as CUDA graphs), compile (torch.compile the step before capture), graph_window (own-key
-    window granularity of the captured steps, tokens).
+    window granularity of the captured steps, tokens), attention (decode attention backend, "dense" or
+    "triton"; rollout.decode.StaticDecoder).
     """
 
     temperature: float
@@ -49,6 +50,7 @@ class SamplingParams:
     cuda_graphs: bool = True
     compile: bool = False
     graph_window: int = 128
+    attention: str = "dense"
 
     @classmethod
     def from_config(
@@ -66,6 +68,7 @@ class SamplingParams:
             cuda_graphs=rollout.cuda_graphs,
             compile=rollout.compile_decode,
             graph_window=rollout.graph_window,
+            attention=rollout.decode_attention,
         )
 
 
@@ -131,6 +134,7 @@ def generate(
             graphs=params.cuda_graphs,
             compile=params.compile,
             window=params.graph_window,
+            attention=params.attention,
         )
         decoder.capture()
     timeline = DecodeTimeline()

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from rollplex.bench.common import random_model
-from rollplex.bench.decode import DecodeBenchConfig, run_decode_bench, step_bytes
+from rollplex.bench.decode import VARIANTS, DecodeBenchConfig, run_decode_bench, step_bytes
 
 
 def test_tiny_decode_bench_runs(tmp_path):
@@ -21,7 +21,7 @@ def test_tiny_decode_bench_runs(tmp_path):
         eager_tokens=4,
     )
     result = run_decode_bench(cfg, tmp_path / "decode.json")
-    assert set(result.rows) == {"eager", "graphs", "graphs+compile"}
+    assert set(result.rows) == set(VARIANTS)
     assert all(row["ms_per_step"] > 0 for row in result.rows.values())
     assert (tmp_path / "decode.json").exists()
 

@@ -68,14 +68,18 @@ def test_recorded_logprobs_equal_trainer_and_oracle_float64(models, window):
     assert not clipped[mask].any()
 
 
-def test_step0_rollout_vs_trainer_float32(models):
-    """fp32 on CPU: rollout-recorded vs prefix+suffix log-probs agree to ≤ 1e-5."""
+@pytest.mark.parametrize("attention", ["dense", "triton"])
+def test_step0_rollout_vs_trainer_float32(models, attention):
+    """fp32 on CPU: rollout-recorded vs prefix+suffix log-probs agree to ≤ 1e-5, with the dense and
+    the fused (Triton, interpreted on the CPU) decode attention."""
+    if attention == "triton":
+        pytest.importorskip("triton")
     model32 = copy.deepcopy(models[0]).float()
     prompts = _prompts()
     for p in prompts:
         p.pixel_values = None if p.pixel_values is None else p.pixel_values.float()
         p.pixel_values_videos = None if p.pixel_values_videos is None else p.pixel_values_videos.float()
-    batch = _rollout(model32, prompts, _params(max_tokens=12))
+    batch = _rollout(model32, prompts, _params(max_tokens=12, attention=attention))
     prefix = prefix_forward(model32, prompts, temperature=T, banned_ids=BANNED, attached=True)
     trainer, _ = suffix_logprobs(
         model32, prefix, batch.responses, group_size=N, temperature=T, banned_ids=BANNED

@@ -1,0 +1,181 @@
+"""Fused shared-prefix decode attention in Triton (split-K over the boundary KV, scores kept on chip).
+
+Legend: G groups, N group size, B = G·N rows, H query heads, Hkv key/value heads, rep = H / Hkv,
+D head dim, P padded prompt length, L own-key window.
+
+The dense decode attention (rollout.decode.decode_attention) writes float32 score tensors
+[B, Hkv, rep, P + L] to memory and reads them back several times per layer; on the 3B workload those
+passes are over half of the decode step (docs/benchmarks.md). Here, as in flash-decoding, each program
+streams one chunk of keys through an online softmax and writes only a partial result (running max m,
+normaliser l, unnormalised output acc) per query; a short merge combines the partials:
+
+    out = Σ_s exp(m_s − M) acc_s / Σ_s exp(m_s − M) l_s,   M = max_s m_s
+
+Prefix programs, one per (group, kv head, chunk of the boundary KV): the N·rep queries of the group
+that share a kv head are one [N·rep, D] block against each key block, so every boundary key is loaded
+once per group (prefix sharing) and the products run on tensor cores. Own-key programs, one per
+(row, kv head): the row's rep queries against its own keys 0..step (the step is read on the device, so
+the kernels can be captured in a CUDA graph and read no unwritten cache slot).
+
+Opt-in (``rollout.decode_attention: triton``) until measured on the GPU; tests/rollout checks it
+against the dense path through Triton's interpreter on the CPU.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+try:  # Triton ships with the CUDA builds of torch; the CPU builds lack it
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - exercised only on installs without Triton
+    triton = tl = None
+
+PREFIX_CHUNK = 256  # boundary keys per prefix program
+BLOCK_KEYS = 64  # keys per inner iteration
+
+
+def _jit(fn):
+    """``triton.jit`` where Triton is installed (its interpreter on the CPU under ``TRITON_INTERPRET=1``,
+    which must be set before this module is imported); the plain function otherwise."""
+    return triton.jit(fn) if triton is not None else fn
+
+
+@_jit
+def _online_block(qb, k_base, v_base, sk, sv, j, hi, d, m, s_sum, acc, scale):
+    """One block of keys j (< hi valid) through the online softmax of queries qb [NQ, D]; returns the
+    updated running max m, normaliser s_sum and unnormalised output acc (float32)."""
+    valid = j < hi
+    kb = tl.load(k_base + j[None, :] * sk + d[:, None], mask=valid[None, :], other=0.0)
+    scores = tl.where(valid[None, :], tl.dot(qb, kb).to(tl.float32) * scale, float("-inf"))
+    m_new = tl.maximum(m, tl.max(scores, 1))
+    p = tl.exp(scores - m_new[:, None])
+    alpha = tl.exp(m - m_new)
+    vb = tl.load(v_base + j[:, None] * sv + d[None, :], mask=valid[:, None], other=0.0)
+    acc = acc * alpha[:, None] + tl.dot(p.to(vb.dtype), vb).to(tl.float32)
+    return m_new, s_sum * alpha + tl.sum(p, 1), acc
+
+
+@_jit
+def _store(m_out, l_out, acc_out, at, acc_at, d, m, s_sum, acc, valid_q):
+    tl.store(m_out + at, m, mask=valid_q)
+    tl.store(l_out + at, s_sum, mask=valid_q)
+    tl.store(acc_out + acc_at[:, None] + d[None, :], acc, mask=valid_q[:, None])
+
+
+@_jit
+def _prefix_partials(
+    q, pk, pv, lens, m_out, l_out, acc_out,
+    sq_b, sq_h, spk_g, spk_h, spk_p, spv_g, spv_h, spv_p,
+    so_s, so_b, so_h, sa_s, sa_b, sa_h,
+    scale, N: tl.constexpr, REP: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr,
+    NQ: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr,
+):  # fmt: skip
+    """Program (group·Hkv + kv head, chunk): the group's N·rep queries of one kv head against one chunk of
+    its boundary keys."""
+    gk, split = tl.program_id(0), tl.program_id(1)
+    g, k = gk // HKV, gk % HKV
+    iq, d = tl.arange(0, NQ), tl.arange(0, D)
+    valid_q = iq < N * REP
+    b, h = g * N + iq // REP, k * REP + iq % REP
+    qb = tl.load(q + b[:, None] * sq_b + h[:, None] * sq_h + d[None, :], mask=valid_q[:, None], other=0.0)
+    lo = split * CHUNK
+    hi = tl.minimum(lo + CHUNK, tl.load(lens + g))
+    m = tl.full((NQ,), float("-inf"), tl.float32)
+    s_sum = tl.zeros((NQ,), tl.float32)
+    acc = tl.zeros((NQ, D), tl.float32)
+    k_base, v_base = pk + g * spk_g + k * spk_h, pv + g * spv_g + k * spv_h
+    for start in range(lo, hi, BLOCK):
+        j = start + tl.arange(0, BLOCK)
+        m, s_sum, acc = _online_block(qb, k_base, v_base, spk_p, spv_p, j, hi, d, m, s_sum, acc, scale)
+    at = split * so_s + b * so_b + h * so_h
+    _store(m_out, l_out, acc_out, at, split * sa_s + b * sa_b + h * sa_h, d, m, s_sum, acc, valid_q)
+
+
+@_jit
+def _own_partials(
+    q, ok, ov, step, m_out, l_out, acc_out,
+    sq_b, sq_h, sok_b, sok_h, sok_l, sov_b, sov_h, sov_l,
+    so_s, so_b, so_h, sa_s, sa_b, sa_h,
+    split, scale, REP: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, NQ: tl.constexpr,
+    BLOCK: tl.constexpr,
+):  # fmt: skip
+    """Program (row·Hkv + kv head): the row's rep queries of one kv head against its own keys 0..step."""
+    bk = tl.program_id(0)
+    b, k = bk // HKV, bk % HKV
+    iq, d = tl.arange(0, NQ), tl.arange(0, D)
+    valid_q = iq < REP
+    h = k * REP + iq
+    qb = tl.load(q + b * sq_b + h[:, None] * sq_h + d[None, :], mask=valid_q[:, None], other=0.0)
+    hi = tl.load(step) + 1
+    m = tl.full((NQ,), float("-inf"), tl.float32)
+    s_sum = tl.zeros((NQ,), tl.float32)
+    acc = tl.zeros((NQ, D), tl.float32)
+    k_base, v_base = ok + b * sok_b + k * sok_h, ov + b * sov_b + k * sov_h
+    for start in range(0, hi, BLOCK):
+        j = start + tl.arange(0, BLOCK)
+        m, s_sum, acc = _online_block(qb, k_base, v_base, sok_l, sov_l, j, hi, d, m, s_sum, acc, scale)
+    at = split * so_s + b * so_b + h * so_h
+    _store(m_out, l_out, acc_out, at, split * sa_s + b * sa_b + h * sa_h, d, m, s_sum, acc, valid_q)
+
+
+def _pow2(n: int, least: int = 16) -> int:
+    return max(least, 1 << (n - 1).bit_length())
+
+
+def fused_decode_attention(
+    q: torch.Tensor,
+    prefix_k: torch.Tensor,
+    prefix_v: torch.Tensor,
+    prefix_lens: torch.Tensor,
+    own_k: torch.Tensor,
+    own_v: torch.Tensor,
+    step: torch.Tensor,
+    scaling: float,
+    group_size: int,
+) -> torch.Tensor:
+    """Attention of one query per row over [its group's boundary KV ; its own keys 0..step].
+
+    Args:
+        q: [B, H, D], contiguous, after RoPE. prefix_k/prefix_v: [G, Hkv, P, D] (last dim contiguous).
+        prefix_lens: int [G]; keys at index >= prefix_lens[g] are padding. own_k/own_v: [B, Hkv, L, D]
+            views of the cache (last dim contiguous). step: int64 [1], own keys 0..step are valid.
+        scaling: softmax scale. group_size: N.
+
+    Returns:
+        [B, H·D] in the dtype of ``q`` (softmax statistics and accumulation in float32).
+
+    Raises:
+        ValueError: H not a multiple of Hkv, or D not a power of two ≥ 16 (Triton block sizes).
+        ImportError: Triton is not installed.
+    """
+    b, h, d = q.shape
+    g, hkv, p = prefix_k.shape[:3]
+    if h % hkv or d < 16 or d & (d - 1):
+        raise ValueError(
+            f"fused decode attention needs H % Hkv == 0 and D a power of two >= 16, got {h}, {hkv}, {d}"
+        )
+    rep, splits = h // hkv, math.ceil(p / PREFIX_CHUNK)
+    if triton is None:
+        raise ImportError("the fused decode attention needs Triton (installed with the CUDA builds of torch)")
+    m = torch.empty(splits + 1, b, h, device=q.device, dtype=torch.float32)
+    l_ = torch.empty_like(m)
+    acc = torch.empty(splits + 1, b, h, d, device=q.device, dtype=torch.float32)
+    lens = prefix_lens.to(device=q.device, dtype=torch.int32)
+    common = (*m.stride(), *acc.stride()[:3])
+    _prefix_partials[(g * hkv, splits)](
+        q, prefix_k, prefix_v, lens, m, l_, acc,
+        q.stride(0), q.stride(1), *prefix_k.stride()[:3], *prefix_v.stride()[:3], *common,
+        scaling, N=group_size, REP=rep, HKV=hkv, D=d, NQ=_pow2(group_size * rep), CHUNK=PREFIX_CHUNK,
+        BLOCK=BLOCK_KEYS,
+    )  # fmt: skip
+    _own_partials[(b * hkv,)](
+        q, own_k, own_v, step, m, l_, acc,
+        q.stride(0), q.stride(1), *own_k.stride()[:3], *own_v.stride()[:3], *common,
+        splits, scaling, REP=rep, HKV=hkv, D=d, NQ=_pow2(rep), BLOCK=BLOCK_KEYS,
+    )  # fmt: skip
+    weight = torch.exp(m - m.amax(0))  # the own part always holds key 0, so every max is finite
+    out = (acc * weight[..., None]).sum(0) / (l_ * weight).sum(0)[..., None]
+    return out.to(q.dtype).reshape(b, h * d)

@@ -1,0 +1,77 @@
+"""The fused Triton decode attention equals the dense decode attention (float32; on the CPU through
+Triton's interpreter, which tests/conftest.py switches on), including padded prompts, several prefix
+chunks, empty chunks and unwritten cache slots."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from rollplex.rollout.decode import DecodeShape, decode_attention  # noqa: E402
+from rollplex.rollout.decode_kernel import PREFIX_CHUNK, fused_decode_attention  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+TOL = 1e-5 if DEVICE == "cpu" else 5e-3  # float32 products run as TF32 on the GPU's tensor cores
+
+
+def _case(
+    seed: int, groups=2, n=3, hkv=2, rep=4, d=16, p=PREFIX_CHUNK + 44, window=70, step=40, lens=(300, 137)
+):
+    g = torch.Generator().manual_seed(seed)
+    b, h = groups * n, hkv * rep
+    q = torch.randn(b, h, d, generator=g)
+    pk, pv = torch.randn(groups, hkv, p, d, generator=g), torch.randn(groups, hkv, p, d, generator=g)
+    lens = torch.tensor(lens)
+    for i, length in enumerate(lens.tolist()):
+        pk[i, :, length:] = pv[i, :, length:] = 0.0  # padding is zeros, as merge_prefixes pads
+    cache_k, cache_v = torch.randn(b, hkv, 128, d, generator=g), torch.randn(b, hkv, 128, d, generator=g)
+    cache_k[:, :, step + 1 :] = float("nan")  # unwritten slots must never be read
+    cache_v[:, :, step + 1 :] = float("nan")
+    shape = DecodeShape(groups, n, h, hkv, d, 128, d**-0.5, 1e-6)
+    q, pk, pv, lens, cache_k, cache_v = (t.to(DEVICE) for t in (q, pk, pv, lens, cache_k, cache_v))
+    return q, pk, pv, lens, cache_k[:, :, :window], cache_v[:, :, :window], step, shape
+
+
+def _dense(q, pk, pv, lens, own_k, own_v, step, shape):
+    """The dense decode attention with the additive bias StaticDecoder builds (padding and future own
+    slots at -inf; the dense path multiplies every slot, so unwritten ones are zeroed here)."""
+    n, p, window = shape.group_size, pk.shape[2], own_k.shape[2]
+    hidden = torch.cat(
+        [
+            (torch.arange(p, device=DEVICE)[None, :] >= lens[:, None]).repeat_interleave(n, 0),
+            (torch.arange(window, device=DEVICE)[None, :] > step).expand(q.shape[0], -1),
+        ],
+        dim=1,
+    )
+    bias = torch.zeros(hidden.shape, device=DEVICE).masked_fill(hidden, float("-inf"))[:, None, None, :]
+    return decode_attention(q, pk, pv, torch.nan_to_num(own_k), torch.nan_to_num(own_v), bias, shape)
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_fused_equals_dense(seed):
+    q, pk, pv, lens, own_k, own_v, step, shape = _case(seed)
+    fused = fused_decode_attention(
+        q, pk, pv, lens, own_k, own_v, torch.tensor([step]), shape.scaling, shape.group_size
+    )
+    dense = _dense(q, pk, pv, lens, own_k, own_v, step, shape)
+    assert torch.isfinite(fused).all()
+    assert (fused - dense).abs().max() <= TOL
+
+
+def test_step_zero_and_group_of_one_with_odd_heads():
+    """Only own key 0 visible; N = 1 and rep = 3 (query blocks padded to 16)."""
+    q, pk, pv, lens, own_k, own_v, step, shape = _case(2, groups=2, n=1, hkv=1, rep=3, step=0, lens=(300, 1))
+    fused = fused_decode_attention(
+        q, pk, pv, lens, own_k, own_v, torch.tensor([0], device=DEVICE), shape.scaling, 1
+    )
+    assert (fused - _dense(q, pk, pv, lens, own_k, own_v, step, shape)).abs().max() <= TOL
+
+
+def test_bad_head_dim_is_named():
+    q, pk, pv, lens, own_k, own_v, step, shape = _case(3, d=24)
+    with pytest.raises(ValueError, match="power of two"):
+        fused_decode_attention(
+            q, pk, pv, lens, own_k, own_v, torch.tensor([step], device=DEVICE), shape.scaling, 3
+        )
