@@ -246,6 +246,7 @@ class StaticDecoder:
         self.token = torch.zeros(rows, dtype=torch.long, device=device)
         self.step_index = torch.zeros(1, dtype=torch.long, device=device)
         self.first_position = prefix.next_position.repeat_interleave(group_size)
+        self.prompt_lens_i32 = prefix.prompt_lens.to(torch.int32)
         p = keys.shape[2]
         pad = torch.arange(p, device=device)[None, :] >= prefix.prompt_lens[:, None]
         self.prefix_bias = torch.zeros(rows, p, device=device).masked_fill(
@@ -281,7 +282,7 @@ class StaticDecoder:
             own_v.index_copy_(2, self.step_index, v[:, :, None])
             keys, values = self.prefix.keys[i], self.prefix.values[i]
             if self.attention == "triton":
-                lens, step = self.prefix.prompt_lens, self.step_index
+                lens, step = self.prompt_lens_i32, self.step_index
                 attention = fused_decode_attention(
                     q, keys, values, lens, own_k, own_v, step, s.scaling, s.group_size
                 )

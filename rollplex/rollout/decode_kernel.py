@@ -7,7 +7,7 @@ The dense decode attention (rollout.decode.decode_attention) writes float32 scor
 [B, Hkv, rep, P + L] to memory and reads them back several times per layer; on the 3B workload those
 passes are over half of the decode step (docs/benchmarks.md). Here, as in flash-decoding, each program
 streams one chunk of keys through an online softmax and writes only a partial result (running max m,
-normaliser l, unnormalised output acc) per query; a short merge combines the partials:
+normaliser l, unnormalised output acc) per query; a merge kernel combines the partials:
 
     out = Σ_s exp(m_s − M) acc_s / Σ_s exp(m_s − M) l_s,   M = max_s m_s
 
@@ -75,7 +75,7 @@ def _prefix_partials(
 ):  # fmt: skip
     """Program (group·Hkv + kv head, chunk): the group's N·rep queries of one kv head against one chunk of
     its boundary keys."""
-    gk, split = tl.program_id(0), tl.program_id(1)
+    gk, split = tl.program_id(0).to(tl.int64), tl.program_id(1).to(tl.int64)
     g, k = gk // HKV, gk % HKV
     iq, d = tl.arange(0, NQ), tl.arange(0, D)
     valid_q = iq < N * REP
@@ -103,7 +103,7 @@ def _own_partials(
     BLOCK: tl.constexpr,
 ):  # fmt: skip
     """Program (row·Hkv + kv head): the row's rep queries of one kv head against its own keys 0..step."""
-    bk = tl.program_id(0)
+    bk = tl.program_id(0).to(tl.int64)
     b, k = bk // HKV, bk % HKV
     iq, d = tl.arange(0, NQ), tl.arange(0, D)
     valid_q = iq < REP
@@ -119,6 +119,20 @@ def _own_partials(
         m, s_sum, acc = _online_block(qb, k_base, v_base, sok_l, sov_l, j, hi, d, m, s_sum, acc, scale)
     at = split * so_s + b * so_b + h * so_h
     _store(m_out, l_out, acc_out, at, split * sa_s + b * sa_b + h * sa_h, d, m, s_sum, acc, valid_q)
+
+
+@_jit
+def _merge(m, l_, acc, out, splits, so_s, sa_s, D: tl.constexpr, S: tl.constexpr):
+    """Program per (row, head): out = Σ_s exp(m_s − M) acc_s / Σ_s exp(m_s − M) l_s, written in the
+    output dtype. Partials of (row, head) sit at m[s, bh], acc[s, bh, :] (bh = row·H + head)."""
+    bh = tl.program_id(0).to(tl.int64)
+    s, d = tl.arange(0, S), tl.arange(0, D)
+    valid = s < splits
+    ms = tl.load(m + s * so_s + bh, mask=valid, other=float("-inf"))
+    weight = tl.where(valid, tl.exp(ms - tl.max(ms, 0)), 0.0)  # own key 0 keeps the max finite
+    norm = tl.sum(weight * tl.load(l_ + s * so_s + bh, mask=valid, other=0.0), 0)
+    parts = tl.load(acc + s[:, None] * sa_s + bh * D + d[None, :], mask=valid[:, None], other=0.0)
+    tl.store(out + bh * D + d, (tl.sum(parts * weight[:, None], 0) / norm).to(out.dtype.element_ty))
 
 
 def _pow2(n: int, least: int = 16) -> int:
@@ -140,7 +154,7 @@ def fused_decode_attention(
 
     Args:
         q: [B, H, D], contiguous, after RoPE. prefix_k/prefix_v: [G, Hkv, P, D] (last dim contiguous).
-        prefix_lens: int [G]; keys at index >= prefix_lens[g] are padding. own_k/own_v: [B, Hkv, L, D]
+        prefix_lens: int32 [G]; keys at index >= prefix_lens[g] are padding. own_k/own_v: [B, Hkv, L, D]
             views of the cache (last dim contiguous). step: int64 [1], own keys 0..step are valid.
         scaling: softmax scale. group_size: N.
 
@@ -148,25 +162,20 @@ def fused_decode_attention(
         [B, H·D] in the dtype of ``q`` (softmax statistics and accumulation in float32).
 
     Raises:
-        ValueError: H not a multiple of Hkv, or D not a power of two ≥ 16 (Triton block sizes).
+        ValueError: H not a multiple of Hkv, D not a power of two ≥ 16 (Triton block sizes), or shapes,
+            strides, dtypes or devices other than the ones above (the message lists them).
         ImportError: Triton is not installed.
     """
     b, h, d = q.shape
     g, hkv, p = prefix_k.shape[:3]
-    if h % hkv or d < 16 or d & (d - 1):
-        raise ValueError(
-            f"fused decode attention needs H % Hkv == 0 and D a power of two >= 16, got {h}, {hkv}, {d}"
-        )
+    _check_inputs(q, prefix_k, prefix_v, prefix_lens, own_k, own_v, step, group_size)
     rep, splits = h // hkv, math.ceil(p / PREFIX_CHUNK)
-    if triton is None:
-        raise ImportError("the fused decode attention needs Triton (installed with the CUDA builds of torch)")
     m = torch.empty(splits + 1, b, h, device=q.device, dtype=torch.float32)
     l_ = torch.empty_like(m)
     acc = torch.empty(splits + 1, b, h, d, device=q.device, dtype=torch.float32)
-    lens = prefix_lens.to(device=q.device, dtype=torch.int32)
     common = (*m.stride(), *acc.stride()[:3])
     _prefix_partials[(g * hkv, splits)](
-        q, prefix_k, prefix_v, lens, m, l_, acc,
+        q, prefix_k, prefix_v, prefix_lens, m, l_, acc,
         q.stride(0), q.stride(1), *prefix_k.stride()[:3], *prefix_v.stride()[:3], *common,
         scaling, N=group_size, REP=rep, HKV=hkv, D=d, NQ=_pow2(group_size * rep), CHUNK=PREFIX_CHUNK,
         BLOCK=BLOCK_KEYS,
@@ -176,6 +185,29 @@ def fused_decode_attention(
         q.stride(0), q.stride(1), *own_k.stride()[:3], *own_v.stride()[:3], *common,
         splits, scaling, REP=rep, HKV=hkv, D=d, NQ=_pow2(rep), BLOCK=BLOCK_KEYS,
     )  # fmt: skip
-    weight = torch.exp(m - m.amax(0))  # the own part always holds key 0, so every max is finite
-    out = (acc * weight[..., None]).sum(0) / (l_ * weight).sum(0)[..., None]
-    return out.to(q.dtype).reshape(b, h * d)
+    out = torch.empty(b, h * d, device=q.device, dtype=q.dtype)
+    _merge[(b * h,)](m, l_, acc, out, splits + 1, m.stride(0), acc.stride(0), D=d, S=_pow2(splits + 1, 2))
+    return out
+
+
+def _check_inputs(q, prefix_k, prefix_v, prefix_lens, own_k, own_v, step, group_size: int) -> None:
+    """Shapes, strides, dtypes and devices the kernels assume (metadata only: safe under capture)."""
+    if triton is None:
+        raise ImportError("the fused decode attention needs Triton (installed with the CUDA builds of torch)")
+    b, h, d = q.shape
+    g, hkv = prefix_k.shape[:2]
+    problems = []
+    if h % hkv or d < 16 or d & (d - 1):
+        problems.append(f"H % Hkv == 0 and D a power of two >= 16 (H {h}, Hkv {hkv}, D {d})")
+    if b != g * group_size or prefix_v.shape != prefix_k.shape:
+        problems.append(f"B = G·N and matching prefix keys/values (B {b}, G {g}, N {group_size})")
+    if own_k.shape[:2] != (b, hkv) or own_k.shape[3] != d or own_v.shape != own_k.shape:
+        problems.append(f"own keys/values of shape [B, Hkv, L, D], got {tuple(own_k.shape)}")
+    if any(t.stride(-1) != 1 for t in (q, prefix_k, prefix_v, own_k, own_v)):
+        problems.append("a contiguous last (head) dimension in q and every key/value tensor")
+    if prefix_lens.dtype != torch.int32 or prefix_lens.shape != (g,) or step.dtype != torch.int64:
+        problems.append("prefix_lens int32 [G] and step int64 [1]")
+    if any(t.device != q.device for t in (prefix_k, prefix_v, own_k, own_v, prefix_lens, step)):
+        problems.append(f"every tensor on {q.device}")
+    if problems:
+        raise ValueError("fused decode attention needs " + "; ".join(problems))

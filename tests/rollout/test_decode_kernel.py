@@ -23,7 +23,7 @@ def _case(
     b, h = groups * n, hkv * rep
     q = torch.randn(b, h, d, generator=g)
     pk, pv = torch.randn(groups, hkv, p, d, generator=g), torch.randn(groups, hkv, p, d, generator=g)
-    lens = torch.tensor(lens)
+    lens = torch.tensor(lens, dtype=torch.int32)
     for i, length in enumerate(lens.tolist()):
         pk[i, :, length:] = pv[i, :, length:] = 0.0  # padding is zeros, as merge_prefixes pads
     cache_k, cache_v = torch.randn(b, hkv, 128, d, generator=g), torch.randn(b, hkv, 128, d, generator=g)
@@ -53,7 +53,7 @@ def _dense(q, pk, pv, lens, own_k, own_v, step, shape):
 def test_fused_equals_dense(seed):
     q, pk, pv, lens, own_k, own_v, step, shape = _case(seed)
     fused = fused_decode_attention(
-        q, pk, pv, lens, own_k, own_v, torch.tensor([step]), shape.scaling, shape.group_size
+        q, pk, pv, lens, own_k, own_v, torch.tensor([step], device=DEVICE), shape.scaling, shape.group_size
     )
     dense = _dense(q, pk, pv, lens, own_k, own_v, step, shape)
     assert torch.isfinite(fused).all()
@@ -75,3 +75,55 @@ def test_bad_head_dim_is_named():
         fused_decode_attention(
             q, pk, pv, lens, own_k, own_v, torch.tensor([step], device=DEVICE), shape.scaling, 3
         )
+
+
+def test_wrong_inputs_are_named():
+    q, pk, pv, lens, own_k, own_v, step, shape = _case(4)
+    step_t = torch.tensor([step], device=DEVICE)
+    with pytest.raises(ValueError, match="prefix_lens int32"):
+        fused_decode_attention(q, pk, pv, lens.long(), own_k, own_v, step_t, shape.scaling, 3)
+    with pytest.raises(ValueError, match="B = G·N"):
+        fused_decode_attention(q, pk, pv, lens, own_k, own_v, step_t, shape.scaling, 2)
+    with pytest.raises(ValueError, match="contiguous last"):
+        fused_decode_attention(
+            q.transpose(1, 2).contiguous().transpose(1, 2),
+            pk,
+            pv,
+            lens,
+            own_k,
+            own_v,
+            step_t,
+            shape.scaling,
+            3,
+        )
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_bf16_at_the_3b_shape_against_float64():
+    """The GPU configuration (bf16, D = 128, 64 queries per block, 16 prefix chunks, a 512-key window)
+    against a float64 dense reference of the same bf16 inputs: ≤ 2e-2 max abs (bf16 inputs, float32
+    softmax, bf16 probabilities in the value product)."""
+    g, n, hkv, rep, d, p, window, step = 8, 8, 2, 8, 128, 3920, 512, 300
+    lens = (3920, 3900, 3000, 3920, 2500, 3920, 3919, 1)
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    rand = lambda *s: torch.randn(*s, generator=gen, device="cuda").to(torch.bfloat16)  # noqa: E731
+    q, pk, pv = rand(g * n, hkv * rep, d), rand(g, hkv, p, d), rand(g, hkv, p, d)
+    lens_t = torch.tensor(lens, dtype=torch.int32, device="cuda")
+    for i, length in enumerate(lens):
+        pk[i, :, length:] = pv[i, :, length:] = 0
+    own_k, own_v = rand(g * n, hkv, window, d), rand(g * n, hkv, window, d)
+    step_t = torch.tensor([step], device="cuda")
+    fused = fused_decode_attention(q, pk, pv, lens_t, own_k, own_v, step_t, d**-0.5, n)
+    shape = DecodeShape(g, n, hkv * rep, hkv, d, window, d**-0.5, 1e-6)
+    hidden = torch.cat(
+        [
+            (torch.arange(p, device="cuda")[None, :] >= lens_t[:, None]).repeat_interleave(n, 0),
+            (torch.arange(window, device="cuda")[None, :] > step).expand(g * n, -1),
+        ],
+        dim=1,
+    )
+    bias = torch.zeros(hidden.shape, device="cuda", dtype=torch.float64).masked_fill(hidden, float("-inf"))
+    ref = decode_attention(*(t.double() for t in (q, pk, pv, own_k, own_v)), bias[:, None, None, :], shape)
+    err = (fused.double() - ref).abs().max()
+    print(f"fused bf16 vs float64 dense: max abs {float(err):.3g}")
+    assert err <= 2e-2
