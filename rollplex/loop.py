@@ -225,6 +225,7 @@ def trainer_state(run: Run, step: int) -> dict:
         "rng": rng_state(),
         "generator": run.roles.generator.get_state(),
         "train_cursor": run.train.state_dict(),
+        "schedule": run.step_fn.state_dict() if hasattr(run.step_fn, "state_dict") else None,
     }
 
 
@@ -245,6 +246,8 @@ def restore(run: Run, ckpt: Path) -> int:
     set_rng_state(state["rng"])
     run.roles.generator.set_state(state["generator"])
     run.train.load_state_dict(state["train_cursor"])
+    if state.get("schedule") is not None and hasattr(run.step_fn, "load_state_dict"):
+        run.step_fn.load_state_dict(state["schedule"])
     return int(state["step"])
 
 

@@ -14,8 +14,9 @@ normaliser l, unnormalised output acc) per query; a merge kernel combines the pa
 Prefix programs, one per (group, kv head, chunk of the boundary KV): the N·rep queries of the group
 that share a kv head are one [N·rep, D] block against each key block, so every boundary key is loaded
 once per group (prefix sharing) and the products run on tensor cores. Own-key programs, one per
-(row, kv head): the row's rep queries against its own keys 0..step (the step is read on the device, so
-the kernels can be captured in a CUDA graph and read no unwritten cache slot).
+(row, kv head, chunk of the own-key window): the row's rep queries against its own keys 0..step (the
+step is read on the device, so the kernels can be captured in a CUDA graph and read no unwritten cache
+slot; chunks past the step store empty partials).
 
 Opt-in (``rollout.decode_attention: triton``) until measured on the GPU; tests/rollout checks it
 against the dense path through Triton's interpreter on the CPU.
@@ -34,6 +35,7 @@ except ImportError:  # pragma: no cover - exercised only on installs without Tri
     triton = tl = None
 
 PREFIX_CHUNK = 256  # boundary keys per prefix program
+OWN_CHUNK = 128  # own keys per own-key program
 BLOCK_KEYS = 64  # keys per inner iteration
 
 
@@ -99,22 +101,25 @@ def _own_partials(
     q, ok, ov, step, m_out, l_out, acc_out,
     sq_b, sq_h, sok_b, sok_h, sok_l, sov_b, sov_h, sov_l,
     so_s, so_b, so_h, sa_s, sa_b, sa_h,
-    split, scale, REP: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, NQ: tl.constexpr,
-    BLOCK: tl.constexpr,
+    first_split, scale, REP: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, NQ: tl.constexpr,
+    CHUNK: tl.constexpr, BLOCK: tl.constexpr,
 ):  # fmt: skip
-    """Program (row·Hkv + kv head): the row's rep queries of one kv head against its own keys 0..step."""
-    bk = tl.program_id(0).to(tl.int64)
+    """Program (row·Hkv + kv head, chunk): the row's rep queries of one kv head against one chunk of its
+    own keys 0..step (a chunk past the step stores an empty partial)."""
+    bk, chunk = tl.program_id(0).to(tl.int64), tl.program_id(1).to(tl.int64)
     b, k = bk // HKV, bk % HKV
+    split = first_split + chunk
     iq, d = tl.arange(0, NQ), tl.arange(0, D)
     valid_q = iq < REP
     h = k * REP + iq
     qb = tl.load(q + b * sq_b + h[:, None] * sq_h + d[None, :], mask=valid_q[:, None], other=0.0)
-    hi = tl.load(step) + 1
+    lo = chunk * CHUNK
+    hi = tl.minimum(lo + CHUNK, tl.load(step) + 1)
     m = tl.full((NQ,), float("-inf"), tl.float32)
     s_sum = tl.zeros((NQ,), tl.float32)
     acc = tl.zeros((NQ, D), tl.float32)
     k_base, v_base = ok + b * sok_b + k * sok_h, ov + b * sov_b + k * sov_h
-    for start in range(0, hi, BLOCK):
+    for start in range(lo, hi, BLOCK):
         j = start + tl.arange(0, BLOCK)
         m, s_sum, acc = _online_block(qb, k_base, v_base, sok_l, sov_l, j, hi, d, m, s_sum, acc, scale)
     at = split * so_s + b * so_b + h * so_h
@@ -170,9 +175,10 @@ def fused_decode_attention(
     g, hkv, p = prefix_k.shape[:3]
     _check_inputs(q, prefix_k, prefix_v, prefix_lens, own_k, own_v, step, group_size)
     rep, splits = h // hkv, math.ceil(p / PREFIX_CHUNK)
-    m = torch.empty(splits + 1, b, h, device=q.device, dtype=torch.float32)
+    own_chunks = math.ceil(own_k.shape[2] / OWN_CHUNK)
+    m = torch.empty(splits + own_chunks, b, h, device=q.device, dtype=torch.float32)
     l_ = torch.empty_like(m)
-    acc = torch.empty(splits + 1, b, h, d, device=q.device, dtype=torch.float32)
+    acc = torch.empty(splits + own_chunks, b, h, d, device=q.device, dtype=torch.float32)
     common = (*m.stride(), *acc.stride()[:3])
     _prefix_partials[(g * hkv, splits)](
         q, prefix_k, prefix_v, prefix_lens, m, l_, acc,
@@ -180,13 +186,14 @@ def fused_decode_attention(
         scaling, N=group_size, REP=rep, HKV=hkv, D=d, NQ=_pow2(group_size * rep), CHUNK=PREFIX_CHUNK,
         BLOCK=BLOCK_KEYS,
     )  # fmt: skip
-    _own_partials[(b * hkv,)](
+    _own_partials[(b * hkv, own_chunks)](
         q, own_k, own_v, step, m, l_, acc,
         q.stride(0), q.stride(1), *own_k.stride()[:3], *own_v.stride()[:3], *common,
-        splits, scaling, REP=rep, HKV=hkv, D=d, NQ=_pow2(rep), BLOCK=BLOCK_KEYS,
+        splits, scaling, REP=rep, HKV=hkv, D=d, NQ=_pow2(rep), CHUNK=OWN_CHUNK, BLOCK=BLOCK_KEYS,
     )  # fmt: skip
     out = torch.empty(b, h * d, device=q.device, dtype=q.dtype)
-    _merge[(b * h,)](m, l_, acc, out, splits + 1, m.stride(0), acc.stride(0), D=d, S=_pow2(splits + 1, 2))
+    parts = splits + own_chunks
+    _merge[(b * h,)](m, l_, acc, out, parts, m.stride(0), acc.stride(0), D=d, S=_pow2(parts, 2))
     return out
 
 

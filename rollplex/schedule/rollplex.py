@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import logging
 import statistics
-from dataclasses import dataclass, replace
+from dataclasses import asdict, dataclass, replace
 
 import torch
 
@@ -229,6 +229,22 @@ class RollplexSchedule:
             self.policy = min(medians, key=medians.get)
             table = ", ".join(f"{p.name} {t:.3f} s" for p, t in medians.items())
             log.info("auto schedule: decode/prefix span %s; keeping %s", table, self.policy.name)
+
+    def state_dict(self) -> dict:
+        """What the schedule has learned (for checkpoints): step count, policy, trials, standalone times."""
+        return {
+            "step_index": self.step_index,
+            "policy": asdict(self.policy),
+            "timings": [(asdict(p), list(t)) for p, t in self.timings.items()],
+            "alone": asdict(self.alone),
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        """Continue from ``state_dict()``'s output (a resumed run neither recalibrates nor repeats trials)."""
+        self.step_index = int(state["step_index"])
+        self.policy = CoRunPolicy(**state["policy"])
+        self.timings = {CoRunPolicy(**p): list(t) for p, t in state["timings"]}
+        self.alone = Standalone(**state["alone"])
 
     def __call__(
         self, roles: Roles, prompts: list[Prompt], timer

@@ -26,10 +26,10 @@ def _case(
     lens = torch.tensor(lens, dtype=torch.int32)
     for i, length in enumerate(lens.tolist()):
         pk[i, :, length:] = pv[i, :, length:] = 0.0  # padding is zeros, as merge_prefixes pads
-    cache_k, cache_v = torch.randn(b, hkv, 128, d, generator=g), torch.randn(b, hkv, 128, d, generator=g)
+    cache_k, cache_v = torch.randn(b, hkv, 512, d, generator=g), torch.randn(b, hkv, 512, d, generator=g)
     cache_k[:, :, step + 1 :] = float("nan")  # unwritten slots must never be read
     cache_v[:, :, step + 1 :] = float("nan")
-    shape = DecodeShape(groups, n, h, hkv, d, 128, d**-0.5, 1e-6)
+    shape = DecodeShape(groups, n, h, hkv, d, 512, d**-0.5, 1e-6)
     q, pk, pv, lens, cache_k, cache_v = (t.to(DEVICE) for t in (q, pk, pv, lens, cache_k, cache_v))
     return q, pk, pv, lens, cache_k[:, :, :window], cache_v[:, :, :window], step, shape
 
@@ -49,9 +49,10 @@ def _dense(q, pk, pv, lens, own_k, own_v, step, shape):
     return decode_attention(q, pk, pv, torch.nan_to_num(own_k), torch.nan_to_num(own_v), bias, shape)
 
 
-@pytest.mark.parametrize("seed", [0, 1])
-def test_fused_equals_dense(seed):
-    q, pk, pv, lens, own_k, own_v, step, shape = _case(seed)
+@pytest.mark.parametrize(("seed", "window", "step"), [(0, 70, 40), (1, 70, 69), (2, 300, 40), (3, 300, 200)])
+def test_fused_equals_dense(seed, window, step):
+    """One or three own-key chunks (128 keys each), some of them past the step (empty partials)."""
+    q, pk, pv, lens, own_k, own_v, step, shape = _case(seed, window=window, step=step)
     fused = fused_decode_attention(
         q, pk, pv, lens, own_k, own_v, torch.tensor([step], device=DEVICE), shape.scaling, shape.group_size
     )

@@ -12,7 +12,7 @@ from rollplex.loop import train
 from rollplex.schedule.eq1 import KEYS, Standalone, alone_seconds_per_step, phase1_terms
 from rollplex.schedule.rollplex import CoRunPolicy, RollplexSchedule, auto_candidates
 from rollplex.types import DecodeTimeline
-from tests.test_loop import _config, _metrics, assets  # noqa: F401  (fixture)
+from tests.test_loop import _config, _metrics, _weights, assets  # noqa: F401  (fixture)
 
 
 def _timeline(*marks):
@@ -96,3 +96,20 @@ def test_metrics_hold_eq1_terms(assets, tmp_path):  # noqa: F811
         assert row["eq1/T_P"] > 0 and row["eq1/T_post"] > 0 and row["eq1/T_D"] > 0
     # the first step calibrates (prefixes after decode, T_D measured alone), then the prefixes overlap
     assert [row["schedule/overlap"] for row in rows] == [0, 1]
+
+
+def test_resumed_auto_run_neither_recalibrates_nor_repeats_trials(assets, tmp_path):  # noqa: F811
+    """4 auto steps == 2 + resume + 2 in the policy each step ran (calibration, then the round-robin
+    trials), and in weights: the schedule's state is in the checkpoint."""
+    extra = {"run.schedule": "auto", "eval.every": 0, "run.device": "cpu"}
+    straight = train(_config(assets, tmp_path / "straight", 4, **extra))
+    split = train(_config(assets, tmp_path / "split", 2, **extra))
+    train(_config(assets, split, 4, **extra), resume=True)
+    policy = lambda run: [  # noqa: E731
+        {k: v for k, v in row.items() if k.startswith("schedule/")} for row in _metrics(run) if "loss" in row
+    ]
+    assert policy(straight) == policy(split)
+    assert [row["schedule/overlap"] for row in policy(straight)] == [0, 0, 1, 1]
+    assert [row["schedule/chunk_groups"] for row in policy(straight)] == [0, 0, 0, 1]
+    a, b = _weights(straight), _weights(split)
+    assert all(torch.equal(a[k], b[k]) for k in a)
