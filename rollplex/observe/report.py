@@ -117,21 +117,21 @@ def schedule_bench_figure(result: dict) -> Figure:
     the step (T_post), with the speedup over serial written at the end of each bar (9×(1+0.5·rows) in)."""
     rows = {name: row for name, row in result["rows"].items() if "error" not in row}
     names = list(rows)
-    fig = Figure(figsize=(9, 1 + 0.5 * len(names)))
+    fig = Figure(figsize=(9, 1.6 + 0.5 * len(names)))
     ax = fig.add_subplot()
     step = [rows[n]["step_s_median"] for n in names]
     post = [rows[n].get("eq1/T_post") or 0.0 for n in names]
     first = [max(0.0, s - p) for s, p in zip(step, post, strict=True)]
-    ax.barh(names, first, label="Phase 1 (rollout + prefixes)")
+    ax.barh(names, first, label="rollout (+ Phase-1 prefixes)")
     ax.barh(names, post, left=first, label="rewards, suffixes, backward, optimizer")
     for i, name in enumerate(names):
         speedup = rows[name].get("speedup_vs_serial")
-        label = f" {step[i]:.2f} s" + (f" ({speedup:.2f}×)" if speedup else "")
+        label = f" {step[i]:.2f} s" + (f" ({speedup:.3f}×)" if speedup else "")
         ax.text(step[i], i, label, va="center", fontsize=8)
     ax.invert_yaxis()
     ax.set(xlabel="median seconds per step", title="Schedules side by side")
     ax.set_xlim(0, max(step, default=1.0) * 1.3)
-    ax.legend(fontsize="small", loc="lower right")
+    ax.legend(fontsize="small", loc="upper center", bbox_to_anchor=(0.5, -0.35), ncol=2)
     return fig
 
 

@@ -222,7 +222,7 @@ def test_eq1_and_schedule_bench_figures(tmp_path):
     path.write_text(json.dumps(result))
     png = bench_report(path)
     assert png == tmp_path / "bench.png"
-    _assert_png(png, (900, 200))
+    _assert_png(png, (900, 260))
     (tmp_path / "bad.json").write_text("{}")
     with pytest.raises(ValueError, match="not a rollplex bench schedule result"):
         bench_report(tmp_path / "bad.json")
