@@ -310,7 +310,7 @@ class StaticDecoder:
                 self._forward_or_eager(length)
         warm.synchronize()
         # capture_begin/end rather than torch.cuda.graph, which empties the allocator's cache per capture
-        pool = None
+        pool = _graph_pool(self.token.device)
         with torch.cuda.stream(warm):
             for length in lengths:
                 graph = torch.cuda.CUDAGraph()
@@ -355,6 +355,23 @@ class StaticDecoder:
             graph.replay()
             return logits
         return self._forward(length)
+
+
+_POOLS: dict[int, object] = {}
+
+
+def _graph_pool(device: torch.device):
+    """The id of one graph memory pool per device, alive for the whole process: every rollout's decode
+    graphs allocate from it, so the blocks of finished rollouts are reused instead of leaving a pool per
+    rollout for the allocator to free only under memory pressure. None (a fresh pool per rollout) where
+    torch has no ``torch.cuda.MemPool``."""
+    mempool = getattr(torch.cuda, "MemPool", None)
+    if mempool is None:
+        return None
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _POOLS:
+        _POOLS[index] = mempool()  # holds a reference to the pool, so it is never released under us
+    return _POOLS[index].id
 
 
 _COMPILED: tuple[Callable, Callable, Callable] | None = None
