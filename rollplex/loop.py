@@ -142,11 +142,7 @@ def build_run(cfg: Config) -> Run:
     reference = load_model(cfg.model.path, dtype, device, trainable=False) if cfg.algo.kl_coef > 0 else None
     banned, eos_ids, pad = special_ids(actor, processor.tokenizer, cfg.model.path)
     sampling = SamplingParams.from_config(cfg.rollout, eos_ids, pad, banned.to(device))
-    o = cfg.optim
-    params = [p for p in actor.parameters() if p.requires_grad]
-    optimizer = MasterWeightAdamW(
-        params, lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, weight_decay=o.weight_decay
-    )
+    optimizer = MasterWeightAdamW.for_model(actor, cfg.optim)
     generator = torch.Generator(device=device).manual_seed(cfg.run.seed)
     roles = Roles(actor, reference, optimizer, processor.tokenizer, sampling, generator, cfg)
     train_source, malformed = build_source(cfg, cfg.data.train_path, processor, actor, cfg.data.shuffle)

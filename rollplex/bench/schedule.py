@@ -114,11 +114,7 @@ class _Workload:
         config = load_config(
             None, [f"{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in items.items()]
         )
-        o = config.optim
-        params = [p for p in self.actor.parameters() if p.requires_grad]
-        optimizer = MasterWeightAdamW(
-            params, lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, weight_decay=o.weight_decay
-        )
+        optimizer = MasterWeightAdamW.for_model(self.actor, config.optim)
         generator = torch.Generator(device=self.device).manual_seed(0)
         return Roles(self.actor, self.reference, optimizer, self.tokenizer, self.sampling, generator, config)
 

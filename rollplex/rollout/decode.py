@@ -184,6 +184,7 @@ def layer_out(
 
 
 ATTENTION_BACKENDS = ("dense", "triton")
+EAGER_LAYER_FNS = (layer_qkv, layer_out, layer_post)
 
 
 class StaticDecoder:
@@ -255,7 +256,7 @@ class StaticDecoder:
         self.window = max(1, min(window, budget))
         use_cuda = device.type == "cuda"
         self.attention = _check_attention(attention, device)
-        self.layer_fns: tuple[Callable, Callable, Callable] = (layer_qkv, layer_out, layer_post)
+        self.layer_fns: tuple[Callable, Callable, Callable] = EAGER_LAYER_FNS
         if compile and use_cuda:
             self.layer_fns = _compiled_layer()
         self.use_graphs = graphs and use_cuda
@@ -270,9 +271,7 @@ class StaticDecoder:
         lm, s = self.model.model.language_model, self.shape
         positions = self.first_position + self.step_index
         cos, sin = rope_tables(positions, self.inv_freq, self.rope_scale, self.prefix.keys[0].dtype)
-        own = torch.arange(length, device=positions.device)[None, :] <= self.step_index
-        bias = torch.cat([self.prefix_bias, torch.where(own, 0.0, NEG_INF).expand(s.rows, -1)], dim=1)
-        bias = bias[:, None, None, :]
+        bias = self._bias(length) if self.attention == "dense" else None
         hidden = lm.embed_tokens(self.token)
         qkv, out, post = self.layer_fns
         for i, weights in enumerate(self.weights):
@@ -291,6 +290,13 @@ class StaticDecoder:
                 hidden = out(hidden, q, keys, values, own_k, own_v, bias, weights, s)
         return self.model.lm_head(lm.norm(hidden))
 
+    def _bias(self, length: int) -> torch.Tensor:
+        """Additive mask float32 [B, 1, 1, P + L] of the dense attention: prompt padding and own slots
+        after the current token at -inf."""
+        own = torch.arange(length, device=self.step_index.device)[None, :] <= self.step_index
+        own_bias = torch.where(own, 0.0, NEG_INF).expand(self.shape.rows, -1)
+        return torch.cat([self.prefix_bias, own_bias], dim=1)[:, None, None, :]
+
     @torch.no_grad()
     def capture(self) -> None:
         """Warm up and capture one CUDA graph per own-key window (no-op without graphs). Call before
@@ -304,7 +310,7 @@ class StaticDecoder:
         lengths = sorted({self.own_window(step) for step in range(self.shape.budget)})
         current = torch.cuda.current_stream(self.token.device)
         warm = torch.cuda.Stream(self.token.device, priority=current.priority)
-        warm.wait_stream(torch.cuda.current_stream(self.token.device))
+        warm.wait_stream(current)
         with torch.cuda.stream(warm):
             for length in lengths:  # compilation, cuBLAS handles and workspaces happen here
                 self._forward_or_eager(length)
@@ -321,17 +327,17 @@ class StaticDecoder:
                     graph.capture_end()
                 pool = graph.pool()
                 self._graphs[length] = (graph, logits)
-        torch.cuda.current_stream(self.token.device).wait_stream(warm)
+        current.wait_stream(warm)
 
     def _forward_or_eager(self, length: int) -> torch.Tensor:
         """``_forward``, falling back to the eager layer function if the compiled one fails to build."""
         try:
             return self._forward(length)
         except Exception as err:  # noqa: BLE001 - any compiler failure leaves a working eager path
-            if self.layer_fns == (layer_qkv, layer_out, layer_post):
+            if self.layer_fns == EAGER_LAYER_FNS:
                 raise
             log.warning("compiled decode step failed (%s: %s); using the eager step", type(err).__name__, err)
-            self.layer_fns = (layer_qkv, layer_out, layer_post)
+            self.layer_fns = EAGER_LAYER_FNS
             return self._forward(length)
 
     @torch.no_grad()

@@ -61,6 +61,21 @@ def _online_block(qb, k_base, v_base, sk, sv, j, hi, d, m, s_sum, acc, scale):
 
 
 @_jit
+def _attend_range(
+    qb, k_base, v_base, sk, sv, lo, hi, d, scale, NQ: tl.constexpr, D: tl.constexpr, BLOCK: tl.constexpr
+):
+    """Online softmax of queries qb [NQ, D] over keys lo..hi-1 (an empty range gives m = -inf, l = 0,
+    acc = 0); returns (m, l, acc) in float32."""
+    m = tl.full((NQ,), float("-inf"), tl.float32)
+    s_sum = tl.zeros((NQ,), tl.float32)
+    acc = tl.zeros((NQ, D), tl.float32)
+    for start in range(lo, hi, BLOCK):
+        j = start + tl.arange(0, BLOCK)
+        m, s_sum, acc = _online_block(qb, k_base, v_base, sk, sv, j, hi, d, m, s_sum, acc, scale)
+    return m, s_sum, acc
+
+
+@_jit
 def _store(m_out, l_out, acc_out, at, acc_at, d, m, s_sum, acc, valid_q):
     tl.store(m_out + at, m, mask=valid_q)
     tl.store(l_out + at, s_sum, mask=valid_q)
@@ -85,13 +100,8 @@ def _prefix_partials(
     qb = tl.load(q + b[:, None] * sq_b + h[:, None] * sq_h + d[None, :], mask=valid_q[:, None], other=0.0)
     lo = split * CHUNK
     hi = tl.minimum(lo + CHUNK, tl.load(lens + g))
-    m = tl.full((NQ,), float("-inf"), tl.float32)
-    s_sum = tl.zeros((NQ,), tl.float32)
-    acc = tl.zeros((NQ, D), tl.float32)
     k_base, v_base = pk + g * spk_g + k * spk_h, pv + g * spv_g + k * spv_h
-    for start in range(lo, hi, BLOCK):
-        j = start + tl.arange(0, BLOCK)
-        m, s_sum, acc = _online_block(qb, k_base, v_base, spk_p, spv_p, j, hi, d, m, s_sum, acc, scale)
+    m, s_sum, acc = _attend_range(qb, k_base, v_base, spk_p, spv_p, lo, hi, d, scale, NQ, D, BLOCK)
     at = split * so_s + b * so_b + h * so_h
     _store(m_out, l_out, acc_out, at, split * sa_s + b * sa_b + h * sa_h, d, m, s_sum, acc, valid_q)
 
@@ -115,13 +125,8 @@ def _own_partials(
     qb = tl.load(q + b * sq_b + h[:, None] * sq_h + d[None, :], mask=valid_q[:, None], other=0.0)
     lo = chunk * CHUNK
     hi = tl.minimum(lo + CHUNK, tl.load(step) + 1)
-    m = tl.full((NQ,), float("-inf"), tl.float32)
-    s_sum = tl.zeros((NQ,), tl.float32)
-    acc = tl.zeros((NQ, D), tl.float32)
     k_base, v_base = ok + b * sok_b + k * sok_h, ov + b * sov_b + k * sov_h
-    for start in range(lo, hi, BLOCK):
-        j = start + tl.arange(0, BLOCK)
-        m, s_sum, acc = _online_block(qb, k_base, v_base, sok_l, sov_l, j, hi, d, m, s_sum, acc, scale)
+    m, s_sum, acc = _attend_range(qb, k_base, v_base, sok_l, sov_l, lo, hi, d, scale, NQ, D, BLOCK)
     at = split * so_s + b * so_b + h * so_h
     _store(m_out, l_out, acc_out, at, split * sa_s + b * sa_b + h * sa_h, d, m, s_sum, acc, valid_q)
 

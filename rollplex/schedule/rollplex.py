@@ -183,9 +183,10 @@ def phase1(roles: Roles, prompts: list[Prompt], timer, policy: CoRunPolicy) -> P
         with torch.no_grad():
             seed = merge_prefixes([detach_prefix(state) for state in fused])
     side = lambda: _prefixes(roles, prompts, fused is None, policy.chunk_groups)  # noqa: E731
-    run = _overlapped if policy.overlap else _sequential
-    args = (roles, prompts, seed, side, timer) + ((policy,) if policy.overlap else ())
-    rollout, (reference, actor), span = run(*args)
+    if policy.overlap:
+        rollout, (reference, actor), span = _overlapped(roles, prompts, seed, side, timer, policy)
+    else:
+        rollout, (reference, actor), span = _sequential(roles, prompts, seed, side, timer)
     actor = fused if fused is not None else actor
     return Phase1(rollout, reference, actor, timer.now() - start, span, policy.overlap)
 
