@@ -131,6 +131,8 @@ def _bench_schedule(args: argparse.Namespace) -> None:
         "warmup",
         "steps",
         "dtype",
+        "auto_trials",
+        "decode_attention",
     )
     options = {name: getattr(args, name) for name in fields if getattr(args, name) is not None}
     if args.rows is not None:
@@ -183,6 +185,10 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
         "both-carveout (default serial,overlap,fusion,both,auto)",
     )
     p.add_argument("--compile-decode", action="store_true", help="torch.compile the decode step")
+    p.add_argument("--auto-trials", type=int, help="auto row: trial steps per co-running policy (default 2)")
+    p.add_argument(
+        "--decode-attention", choices=("dense", "triton"), help="decode attention backend (default dense)"
+    )
     p.set_defaults(handler=_bench_schedule)
     p = bench.add_parser("decode", help="the decode step against its memory roofline")
     _add_workload_arguments(p)

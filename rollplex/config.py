@@ -99,6 +99,9 @@ class RunConfig:
         "SM carve-out) while the worker runs; 0 = off",
         ge=0,
     )
+    auto_trials: int = _field(
+        2, "auto schedule: trial steps per co-running policy before it keeps the fastest", ge=1
+    )
     progress: bool = _field(True, "show a progress bar with ETA")
     log_every: int = _field(
         10,

@@ -62,6 +62,8 @@ class ScheduleBenchConfig(Workload):
     rows: tuple[str, ...] = MAIN_ROWS
     gradient_checkpointing: bool = True
     compile_decode: bool = False
+    auto_trials: int = 2
+    decode_attention: str = "dense"
 
 
 @dataclass
@@ -92,7 +94,15 @@ class _Workload:
         banned = torch.tensor(vision_special_ids(self.actor.config), device=device)
         eos = self.tokenizer.convert_tokens_to_ids("<|im_end|>")
         self.sampling = SamplingParams(
-            1.0, 1.0, 0, cfg.response_tokens, (eos,), eos, banned, compile=cfg.compile_decode
+            1.0,
+            1.0,
+            0,
+            cfg.response_tokens,
+            (eos,),
+            eos,
+            banned,
+            compile=cfg.compile_decode,
+            attention=cfg.decode_attention,
         )
         self.device = device
         self.sms = (
@@ -109,6 +119,8 @@ class _Workload:
             "rollout.prompts_per_step": cfg.groups,
             "rollout.max_response_tokens": cfg.response_tokens,
             "reward.functions": "[answer_accuracy]",
+            "run.auto_trials": cfg.auto_trials,
+            "rollout.decode_attention": cfg.decode_attention,
             **{k: self.sms // 2 if v == "half" else v for k, v in overrides.items()},
         }
         config = load_config(

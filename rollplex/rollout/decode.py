@@ -315,8 +315,10 @@ class StaticDecoder:
             for length in lengths:  # compilation, cuBLAS handles and workspaces happen here
                 self._forward_or_eager(length)
         warm.synchronize()
-        # capture_begin/end rather than torch.cuda.graph, which empties the allocator's cache per capture
-        pool = _graph_pool(self.token.device)
+        # capture_begin/end rather than torch.cuda.graph, which empties the allocator's cache per capture;
+        # one fresh pool per rollout, shared by its windows (a pool id reused after its graphs are freed
+        # trips the allocators' use-count checks in torch 2.11)
+        pool = None
         with torch.cuda.stream(warm):
             for length in lengths:
                 graph = torch.cuda.CUDAGraph()
@@ -361,23 +363,6 @@ class StaticDecoder:
             graph.replay()
             return logits
         return self._forward(length)
-
-
-_POOLS: dict[int, object] = {}
-
-
-def _graph_pool(device: torch.device):
-    """The id of one graph memory pool per device, alive for the whole process: every rollout's decode
-    graphs allocate from it, so the blocks of finished rollouts are reused instead of leaving a pool per
-    rollout for the allocator to free only under memory pressure. None (a fresh pool per rollout) where
-    torch has no ``torch.cuda.MemPool``."""
-    mempool = getattr(torch.cuda, "MemPool", None)
-    if mempool is None:
-        return None
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    if index not in _POOLS:
-        _POOLS[index] = mempool()  # holds a reference to the pool, so it is never released under us
-    return _POOLS[index].id
 
 
 _COMPILED: tuple[Callable, Callable, Callable] | None = None

@@ -18,8 +18,8 @@ The update is the serial schedule's update: same θ_k, responses, prefixes and l
 parameters after any number of steps are bitwise equal to ``serial``'s (tests/schedule). The co-running
 policy (overlap or not, decode priority, prefix chunks, SM carve-out) changes timing only. The first
 step runs its prefixes after decode, to measure decode and prefixes alone (Eq. 1's T_D and T_P);
-``auto`` then tries each policy twice, round robin, and keeps the one whose median decode/prefix span
-is shortest.
+``auto`` then tries each policy ``run.auto_trials`` times (default 2), round robin, and keeps the one
+whose median decode/prefix span is shortest.
 """
 
 from __future__ import annotations
@@ -72,9 +72,6 @@ class CoRunPolicy:
         parts += [f"chunk{self.chunk_groups}"] if self.chunk_groups else []
         parts += [f"carveout{self.sm_carveout}"] if self.sm_carveout else []
         return "+".join(parts)
-
-
-AUTO_TRIALS_PER_POLICY = 2
 
 
 def auto_candidates(device: torch.device) -> list[CoRunPolicy]:
@@ -201,7 +198,7 @@ class RollplexSchedule:
         self.trials: list[CoRunPolicy] = []
         self.timings: dict[CoRunPolicy, list[float]] = {}
         if cfg.run.schedule == "auto":
-            self.trials = auto_candidates(device) * AUTO_TRIALS_PER_POLICY
+            self.trials = auto_candidates(device) * cfg.run.auto_trials
             self.policy = self.trials[0]
         self.alone = Standalone()
         self.step_index = 0
@@ -209,7 +206,7 @@ class RollplexSchedule:
     def _next_policy(self) -> CoRunPolicy:
         """The first step runs the side work after decode (a calibration: it measures decode and side
         work alone, and warms up compilation and the allocator); ``auto`` then tries each candidate
-        ``AUTO_TRIALS_PER_POLICY`` times, round robin, and keeps the fastest; otherwise the configured
+        ``run.auto_trials`` times, round robin, and keeps the fastest; otherwise the configured
         policy."""
         if self.step_index == 0:
             return replace(self.policy, overlap=False)

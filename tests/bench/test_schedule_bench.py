@@ -20,6 +20,7 @@ def test_rows_reach_the_same_parameters(tmp_path):
         dtype="float32",
         gradient_checkpointing=False,
         rows=tuple(ROWS),
+        auto_trials=1,
     )
     result = run_schedule_bench(cfg, tmp_path / "schedule.json")
     assert set(result.rows) == set(ROWS)
@@ -28,6 +29,7 @@ def test_rows_reach_the_same_parameters(tmp_path):
         assert row["step_s_median"] > 0 and row["eq1/T_D"] > 0
         assert (name == "auto") != ("max_abs_param_diff_vs_serial" in row)
     assert result.rows["auto"]["auto_policy"]
+    assert result.rows["auto"]["steps_taken"] == 1 + len(result.rows["auto"]["auto_trials_span_s"])
     assert (tmp_path / "schedule.json").exists()
 
 

@@ -86,6 +86,12 @@ def test_auto_tries_each_policy_twice_then_keeps_the_fastest_median(assets, tmp_
     assert seen[1 + 2 * len(candidates) :] == [candidates[0]] * 2
 
 
+def test_auto_trials_sets_the_trials_per_policy(assets, tmp_path):  # noqa: F811
+    cfg = _config(assets, tmp_path, 1, **{"run.schedule": "auto", "run.auto_trials": 1})
+    schedule = RollplexSchedule(cfg, torch.device("cpu"))
+    assert schedule.trials == auto_candidates(torch.device("cpu"))
+
+
 def test_metrics_hold_eq1_terms(assets, tmp_path):  # noqa: F811
     """Every rollplex step writes the Eq. 1 terms to metrics.jsonl; T_D is known on overlapped steps
     too (from the calibration step when no decode step ran alone)."""
