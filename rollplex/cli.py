@@ -197,7 +197,11 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
         help="comma-separated subset of eager,graphs,graphs+compile,graphs+triton,graphs+compile+triton "
         "(default all)",
     )
-    p.add_argument("--profile-steps", type=int, help="profile this many captured steps (CUDA; kernel table)")
+    p.add_argument(
+        "--profile-steps",
+        type=int,
+        help="profile this many captured steps of the last variant (CUDA; kernel table)",
+    )
     p.set_defaults(handler=_bench_decode)
 
 
