@@ -137,8 +137,8 @@ def _bench_schedule(args: argparse.Namespace) -> None:
     options = {name: getattr(args, name) for name in fields if getattr(args, name) is not None}
     if args.rows is not None:
         options["rows"] = tuple(row.strip() for row in args.rows.split(","))
-    if args.compile_decode:
-        options["compile_decode"] = True
+    if args.compile_decode is not None:
+        options["compile_decode"] = args.compile_decode
     run_schedule_bench(ScheduleBenchConfig(**options), args.out)
 
 
@@ -184,10 +184,16 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
         help="comma-separated rows among serial,overlap,fusion,both,auto,both-same-priority,both-chunked,"
         "both-carveout (default serial,overlap,fusion,both,auto)",
     )
-    p.add_argument("--compile-decode", action="store_true", help="torch.compile the decode step")
+    p.add_argument(
+        "--compile-decode",
+        action=argparse.BooleanOptionalAction,
+        help="torch.compile the decode step (default on)",
+    )
     p.add_argument("--auto-trials", type=int, help="auto row: trial steps per co-running policy (default 2)")
     p.add_argument(
-        "--decode-attention", choices=("dense", "triton"), help="decode attention backend (default dense)"
+        "--decode-attention",
+        choices=("auto", "dense", "triton"),
+        help="decode attention backend (default auto: triton on CUDA)",
     )
     p.set_defaults(handler=_bench_schedule)
     p = bench.add_parser("decode", help="the decode step against its memory roofline")

@@ -151,16 +151,18 @@ class RolloutConfig:
     top_k: int = _field(0, "sample from the k most likely tokens; 0 = off", ge=0)
     cuda_graphs: bool = _field(True, "replay the decode step as CUDA graphs (CUDA only)")
     compile_decode: bool = _field(
-        False, "compile the decode step's layer function with torch.compile before capture (CUDA only)"
+        True,
+        "compile the decode step's layer function with torch.compile before capture (CUDA only; falls "
+        "back to the uncompiled step with a warning if compilation fails)",
     )
     graph_window: int = _field(
         128, "own-key window of the captured decode steps, tokens (one graph per window)", ge=1
     )
     decode_attention: str = _field(
-        "dense",
-        "decode attention: dense (score tensors in memory) or triton (fused split-K kernel, CUDA; not yet "
-        "measured on the GPU)",
-        choices=("dense", "triton"),
+        "auto",
+        "decode attention: triton (fused split-K kernel, CUDA), dense (score tensors in memory) or auto "
+        "(triton on CUDA when Triton is installed, else dense)",
+        choices=("auto", "dense", "triton"),
     )
 
 

@@ -2,8 +2,7 @@
 # GPU tests and benchmarks in one call. Usage: scripts/gpu_suite.sh [tests] [train] [prefix] [decode] [schedule]
 # (no argument = all). Results go under $OUT (default ./gpu-results): logs, metrics and JSON tables.
 # SCHEDULE_ROWS picks the rows of the schedule benchmark (default: rollplex bench schedule's default rows),
-# SCHEDULE_ARGS adds options (e.g. "--warmup 1 --steps 1"), SCHEDULE_NAME names its output files; without
-# --decode-attention in SCHEDULE_ARGS the schedule stage uses the faster backend of a decode stage run before it.
+# SCHEDULE_ARGS adds options (e.g. "--warmup 1 --steps 1"), SCHEDULE_NAME names its output files.
 # Wheels missing from the GPU image (PyAV, rouge-score, nltk) are installed from .whl/ when present.
 set -uo pipefail
 OUT=${OUT:-gpu-results}
@@ -40,11 +39,6 @@ for stage in $stages; do
     schedule)
       name=${SCHEDULE_NAME:-bench-schedule}
       args=${SCHEDULE_ARGS:-}
-      if [[ $args != *--decode-attention* && -f $OUT/bench-decode.json ]]; then  # the faster backend measured above
-        args="$args --decode-attention $(python3 -c 'import json, sys; r = json.load(open(sys.argv[1]))["rows"]
-ms = lambda v: r.get(v, {}).get("ms_per_step", float("inf"))
-print("triton" if ms("graphs+triton") < ms("graphs") else "dense")' "$OUT/bench-decode.json")"
-      fi
       echo "rollplex bench schedule ${SCHEDULE_ROWS:+--rows $SCHEDULE_ROWS} $args" | tee "$OUT/$name.cmd"
       # shellcheck disable=SC2086
       rollplex bench schedule ${SCHEDULE_ROWS:+--rows "$SCHEDULE_ROWS"} $args --out "$OUT/$name.json" 2>&1 \

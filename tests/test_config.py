@@ -43,9 +43,9 @@ SPEC_DEFAULTS = {
         "group_size": 8, "prompts_per_step": 8, "max_response_tokens": 768, "temperature": 1.0, "top_p": 1.0,
         "top_k": 0,
         "cuda_graphs": True,
-        "compile_decode": False,
+        "compile_decode": True,
         "graph_window": 128,
-        "decode_attention": "dense",
+        "decode_attention": "auto",
     },
     "algo": {
         "normalize_std": True, "clip_low": 0.2, "clip_high": 0.28, "kl_coef": 0.04, "kl_estimator": "k3",

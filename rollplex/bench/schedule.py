@@ -15,8 +15,9 @@ Warm-up iterations (allocator growth, graph capture, compilation, and auto's pol
 discarded; the table gives the median step time and its spread, the speedup over serial, the Phase-1
 makespan, the paper's Eq. 1 terms as every step records them (schedule.eq1: T_D standalone decode,
 T_P prefix makespan, ΔD decode slowdown from co-running, S measured saving, bound min(T_D, T_P),
-T_post), decode seconds per step and its ratio to the memory roofline (bench.decode), peak memory, and
-the largest parameter difference from serial after the timed steps.
+T_post), decode seconds per step and its ratio to the memory roofline (bench.decode), peak memory, the
+caching allocator's retries (a cudaMalloc that failed, freed the cache and retried) and device frees
+over the row's iterations, and the largest parameter difference from serial after the timed steps.
 """
 
 from __future__ import annotations
@@ -61,9 +62,9 @@ class ScheduleBenchConfig(Workload):
     steps: int = 2
     rows: tuple[str, ...] = MAIN_ROWS
     gradient_checkpointing: bool = True
-    compile_decode: bool = False
+    compile_decode: bool = True
     auto_trials: int = 2
-    decode_attention: str = "dense"
+    decode_attention: str = "auto"
 
 
 @dataclass
@@ -144,6 +145,7 @@ def _run_row(work: _Workload, name: str, cfg: ScheduleBenchConfig) -> tuple[dict
     timer, times, phases = PhaseTimer(sync=sync), [], []
     if work.device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(work.device)
+        torch.cuda.reset_accumulated_memory_stats(work.device)
     warmup = _warmup(step, cfg)
     for i in range(warmup + cfg.steps):
         start = timer.now()
@@ -165,6 +167,9 @@ def _run_row(work: _Workload, name: str, cfg: ScheduleBenchConfig) -> tuple[dict
     }
     if work.device.type == "cuda":
         row["peak_memory_gib"] = torch.cuda.max_memory_allocated(work.device) / 2**30
+        stats = torch.cuda.memory_stats(work.device)  # allocator churn over the row's iterations
+        row["alloc_retries"] = stats.get("num_alloc_retries", 0)
+        row["device_frees"] = stats.get("num_device_free", 0)
     if getattr(step, "trials", None):
         row["auto_policy"] = step.policy.name
         row["auto_trials_span_s"] = {p.name: statistics.median(t) for p, t in step.timings.items()}
@@ -245,6 +250,7 @@ def _print(result: ScheduleBenchResult) -> None:
         "decode_ms_per_step",
         "decode_roofline_ratio",
         "peak_memory_gib",
+        "alloc_retries",
         "max_abs_param_diff_vs_serial",
     ]
     keys = [k for k in keys if any(k in row for row in result.rows.values())]

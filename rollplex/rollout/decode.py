@@ -19,6 +19,7 @@ KV read once per group (the N rows' queries are stacked against it), never copie
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 import os
 from collections.abc import Callable
@@ -183,7 +184,7 @@ def layer_out(
     return layer_post(hidden, attention, weights, shape)
 
 
-ATTENTION_BACKENDS = ("dense", "triton")
+ATTENTION_BACKENDS = ("auto", "dense", "triton")
 EAGER_LAYER_FNS = (layer_qkv, layer_out, layer_post)
 
 
@@ -198,8 +199,9 @@ class StaticDecoder:
         compile: compile the layer function with torch.compile before capture (CUDA only; falls back to
             the eager function with a warning if compilation fails).
         window: own-key window granularity in tokens.
-        attention: "dense" (``decode_attention``) or "triton" (rollout.decode_kernel, fused; CUDA, or
-            the CPU under ``TRITON_INTERPRET=1``).
+        attention: "dense" (``decode_attention``), "triton" (rollout.decode_kernel, fused; CUDA, or
+            the CPU under ``TRITON_INTERPRET=1``) or "auto" (triton on CUDA with Triton installed, else
+            dense).
 
     Raises:
         ValueError: the model's MLP activation is not SiLU (the only one Qwen2.5-VL uses), sliding-
@@ -380,9 +382,11 @@ def _compiled_layer() -> tuple[Callable, Callable, Callable]:
 
 
 def _check_attention(name: str, device: torch.device) -> str:
-    """The attention backend name, checked (see ``StaticDecoder``)."""
+    """The attention backend name, checked, "auto" resolved (see ``StaticDecoder``)."""
     if name not in ATTENTION_BACKENDS:
         raise ValueError(f"decode attention {name!r}: expected one of {ATTENTION_BACKENDS}")
+    if name == "auto":
+        return "triton" if device.type == "cuda" and importlib.util.find_spec("triton") else "dense"
     if name == "triton" and device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
         raise ValueError("decode attention 'triton' runs on CUDA (or on the CPU under TRITON_INTERPRET=1)")
     return name

@@ -35,8 +35,8 @@ class SamplingParams:
     eos_ids (any of them ends a response), pad_id (fills finished rows), banned_ids int64 [k],
     eos_check_every (tokens between host checks for "every row finished"), cuda_graphs (replay the
     decode step as CUDA graphs), compile (torch.compile the step before capture), graph_window (own-key
-    window granularity of the captured steps, tokens), attention (decode attention backend, "dense" or
-    "triton"; rollout.decode.StaticDecoder).
+    window granularity of the captured steps, tokens), attention (decode attention backend, "auto",
+    "dense" or "triton"; rollout.decode.StaticDecoder).
     """
 
     temperature: float
@@ -50,7 +50,7 @@ class SamplingParams:
     cuda_graphs: bool = True
     compile: bool = False
     graph_window: int = 128
-    attention: str = "dense"
+    attention: str = "auto"
 
     @classmethod
     def from_config(

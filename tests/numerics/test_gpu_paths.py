@@ -106,7 +106,9 @@ def _bf16_rollout(model, prompts, **decode):
     )
 
 
-@pytest.mark.parametrize(("compile", "attention"), [(False, "dense"), (True, "dense"), (False, "triton")])
+@pytest.mark.parametrize(
+    ("compile", "attention"), [(False, "dense"), (True, "dense"), (False, "triton"), (True, "triton")]
+)
 def test_bf16_rollout_vs_trainer_logprobs(models, compile, attention):
     """bf16: the captured (optionally compiled, or with the fused Triton attention) decode step records
     log-probs within 0.1 (max) and 0.01 (mean) of the trainer's prefix + suffix path, over 40 tokens in
