@@ -200,7 +200,8 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     _add_workload_arguments(p)
     p.add_argument(
         "--variants",
-        help="comma-separated subset of eager,graphs,graphs+compile,graphs+triton,graphs+compile+triton "
+        help="comma-separated subset of eager,graphs,graphs+compile,graphs+triton,graphs+compile+triton,"
+        "graphs+compile+triton+fused "
         "(default all)",
     )
     p.add_argument(

@@ -164,6 +164,11 @@ class RolloutConfig:
         "(triton on CUDA when Triton is installed, else dense)",
         choices=("auto", "dense", "triton"),
     )
+    fused_projections: bool = _field(
+        False,
+        "decode: one q/k/v and one gate/up matrix product per layer, from copies of those weights "
+        "concatenated when decode starts (their memory again, during rollout)",
+    )
 
 
 @dataclass(kw_only=True)

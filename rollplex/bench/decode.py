@@ -30,6 +30,12 @@ VARIANTS = {
     "graphs+compile": {"cuda_graphs": True, "compile": True},
     "graphs+triton": {"cuda_graphs": True, "attention": "triton"},
     "graphs+compile+triton": {"cuda_graphs": True, "compile": True, "attention": "triton"},
+    "graphs+compile+triton+fused": {
+        "cuda_graphs": True,
+        "compile": True,
+        "attention": "triton",
+        "fused_projections": True,
+    },
 }
 
 
@@ -126,15 +132,9 @@ def run_decode_bench(cfg: DecodeBenchConfig, out: Path | None = None) -> DecodeB
         }
         print(f"  {name}: {per_step * 1e3:.3f} ms/step, {per_step / roofline:.2f}x roofline", flush=True)
     if cfg.profile_steps:
-        variant = VARIANTS[cfg.variants[-1]]
+        options = {k: v for k, v in VARIANTS[cfg.variants[-1]].items() if k != "cuda_graphs"}
         table = profile_steps(
-            model,
-            prefix,
-            cfg.group_size,
-            cfg.response_tokens,
-            cfg.profile_steps,
-            compile=variant.get("compile", False),
-            attention=variant.get("attention", "dense"),
+            model, prefix, cfg.group_size, cfg.response_tokens, cfg.profile_steps, **options
         )
         print(table)
         if out is not None:
@@ -146,26 +146,15 @@ def run_decode_bench(cfg: DecodeBenchConfig, out: Path | None = None) -> DecodeB
     return result
 
 
-def profile_steps(
-    model,
-    prefix,
-    group_size: int,
-    budget: int,
-    steps: int,
-    *,
-    compile: bool = False,
-    attention: str = "dense",
-) -> str:
+def profile_steps(model, prefix, group_size: int, budget: int, steps: int, **decoder_options) -> str:
     """torch.profiler table (top 30 by device time) of ``steps`` CUDA-graph replays of the decode step
-    (``compile`` and ``attention`` as in ``StaticDecoder``; the bench profiles its last variant), at
-    response positions spread over the budget."""
+    (``decoder_options``: ``StaticDecoder``'s compile, attention, fused_projections; the bench profiles
+    its last variant), at response positions spread over the budget."""
     from torch.profiler import ProfilerActivity, profile
 
     from rollplex.rollout.decode import StaticDecoder
 
-    decoder = StaticDecoder(
-        model, prefix, group_size, budget, graphs=True, compile=compile, attention=attention
-    )
+    decoder = StaticDecoder(model, prefix, group_size, budget, graphs=True, **decoder_options)
     decoder.capture()
     token = torch.zeros(prefix.num_groups * group_size, dtype=torch.long, device=prefix.last_logprobs.device)
     positions = [int(i * (budget - 2) / max(1, steps - 1)) for i in range(steps)]

@@ -54,23 +54,34 @@ class DecodeShape:
         return self.groups * self.group_size
 
 
-def _layer_tensors(layer) -> tuple[torch.Tensor, ...]:
-    """The 12 tensors of one Qwen2.5-VL decoder layer, in the order ``layer_qkv`` and ``layer_out`` take them."""
+LayerTensors = tuple  # (ln1, qkv weights, qkv biases, o_proj, ln2, gate/up weights, down_proj); see below
+
+
+def _layer_tensors(layer, fused: bool = False) -> LayerTensors:
+    """One Qwen2.5-VL decoder layer's tensors in the order ``layer_qkv`` and ``layer_post`` take them:
+    (input norm, (W_q, W_k, W_v), (b_q, b_k, b_v), W_o, post norm, (W_gate, W_up), W_down) — or, with
+    ``fused``, ((W_q; W_k; W_v),), ((b_q; b_k; b_v),) and ((W_gate; W_up),): copies of the current
+    weights concatenated along the output dimension, so each group is one matrix product (they take the
+    memory of those weights again for as long as the decoder lives)."""
     a, m = layer.self_attn, layer.mlp
-    return (
-        layer.input_layernorm.weight,
-        a.q_proj.weight,
-        a.q_proj.bias,
-        a.k_proj.weight,
-        a.k_proj.bias,
-        a.v_proj.weight,
-        a.v_proj.bias,
-        a.o_proj.weight,
-        layer.post_attention_layernorm.weight,
-        m.gate_proj.weight,
-        m.up_proj.weight,
-        m.down_proj.weight,
-    )
+    qkv = (a.q_proj.weight, a.k_proj.weight, a.v_proj.weight)
+    bias = (a.q_proj.bias, a.k_proj.bias, a.v_proj.bias)
+    gate_up = (m.gate_proj.weight, m.up_proj.weight)
+    if fused:
+        qkv, bias, gate_up = (torch.cat(qkv),), (torch.cat(bias),), (torch.cat(gate_up),)
+    norms = (layer.input_layernorm.weight, layer.post_attention_layernorm.weight)
+    return norms[0], qkv, bias, a.o_proj.weight, norms[1], gate_up, m.down_proj.weight
+
+
+def _project(
+    x: torch.Tensor, weights: tuple[torch.Tensor, ...], biases: tuple | None, sizes: list[int]
+) -> tuple[torch.Tensor, ...]:
+    """The products x·W_iᵀ (+ b_i) of output widths ``sizes``: one product split by columns when the
+    weights come concatenated (a 1-tuple), else one product per weight."""
+    biases = biases if biases is not None else (None,) * len(weights)
+    if len(weights) == 1:
+        return F.linear(x, weights[0], biases[0]).split(sizes, dim=-1)
+    return tuple(F.linear(x, w, b) for w, b in zip(weights, biases, strict=True))
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -138,33 +149,35 @@ def layer_qkv(
     hidden: torch.Tensor,
     cos: torch.Tensor,
     sin: torch.Tensor,
-    weights: tuple[torch.Tensor, ...],
+    weights: LayerTensors,
     shape: DecodeShape,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """First half of a decoder layer: input norm, q/k/v projections, RoPE.
 
     Args:
-        hidden: [B, Hd]. cos/sin: [B, D]. weights: ``_layer_tensors`` of the layer.
+        hidden: [B, Hd]. cos/sin: [B, D]. weights: ``_layer_tensors`` of the layer (either layout).
 
     Returns:
         q [B, H, D], k [B, Hkv, D], v [B, Hkv, D].
     """
-    ln1, wq, bq, wk, bk, wv, bv = weights[:7]
-    b, d = shape.rows, shape.head_dim
+    ln1, qkv, bias = weights[:3]
+    b, d, h, hkv = shape.rows, shape.head_dim, shape.heads, shape.kv_heads
     x = rms_norm(hidden, ln1, shape.eps)
-    q = rotate(F.linear(x, wq, bq).view(b, shape.heads, d), cos, sin)
-    k = rotate(F.linear(x, wk, bk).view(b, shape.kv_heads, d), cos, sin)
-    return q, k, F.linear(x, wv, bv).view(b, shape.kv_heads, d)
+    q, k, v = _project(x, qkv, bias, [h * d, hkv * d, hkv * d])
+    q = rotate(q.reshape(b, h, d), cos, sin)
+    k = rotate(k.reshape(b, hkv, d), cos, sin)
+    return q, k, v.reshape(b, hkv, d)
 
 
 def layer_post(
-    hidden: torch.Tensor, attention: torch.Tensor, weights: tuple[torch.Tensor, ...], shape: DecodeShape
+    hidden: torch.Tensor, attention: torch.Tensor, weights: LayerTensors, shape: DecodeShape
 ) -> torch.Tensor:
     """After attention [B, H·D]: o_proj, residual, post norm, SiLU-gated MLP, residual → hidden [B, Hd]."""
-    wo, ln2, gate, up, down = weights[7:]
+    wo, ln2, gate_up, down = weights[3:]
     hidden = hidden + F.linear(attention, wo)
     x = rms_norm(hidden, ln2, shape.eps)
-    return hidden + F.linear(F.silu(F.linear(x, gate)) * F.linear(x, up), down)
+    gate, up = _project(x, gate_up, None, [down.shape[1]] * 2)
+    return hidden + F.linear(F.silu(gate) * up, down)
 
 
 def layer_out(
@@ -175,7 +188,7 @@ def layer_out(
     own_k: torch.Tensor,
     own_v: torch.Tensor,
     bias: torch.Tensor,
-    weights: tuple[torch.Tensor, ...],
+    weights: LayerTensors,
     shape: DecodeShape,
 ) -> torch.Tensor:
     """Second half of a decoder layer with the dense attention: ``decode_attention`` then
@@ -202,6 +215,8 @@ class StaticDecoder:
         attention: "dense" (``decode_attention``), "triton" (rollout.decode_kernel, fused; CUDA, or
             the CPU under ``TRITON_INTERPRET=1``) or "auto" (triton on CUDA with Triton installed, else
             dense).
+        fused_projections: one q/k/v and one gate/up product per layer, from concatenated copies of
+            the weights taken here (``_layer_tensors``).
 
     Raises:
         ValueError: the model's MLP activation is not SiLU (the only one Qwen2.5-VL uses), sliding-
@@ -220,6 +235,7 @@ class StaticDecoder:
         compile: bool = False,
         window: int = 128,
         attention: str = "dense",
+        fused_projections: bool = False,
     ):
         lm = model.model.language_model
         config = lm.config
@@ -240,7 +256,7 @@ class StaticDecoder:
             eps=float(lm.layers[0].input_layernorm.variance_epsilon),
         )
         self.model, self.prefix = model, prefix
-        self.weights = [_layer_tensors(layer) for layer in lm.layers]
+        self.weights = [_layer_tensors(layer, fused_projections) for layer in lm.layers]
         self.inv_freq, self.rope_scale = lm.rotary_emb.inv_freq, float(lm.rotary_emb.attention_scaling)
         rows, device = self.shape.rows, keys.device
         cache_shape = (rows, self.shape.kv_heads, budget, self.shape.head_dim)

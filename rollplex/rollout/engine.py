@@ -36,7 +36,8 @@ class SamplingParams:
     eos_check_every (tokens between host checks for "every row finished"), cuda_graphs (replay the
     decode step as CUDA graphs), compile (torch.compile the step before capture), graph_window (own-key
     window granularity of the captured steps, tokens), attention (decode attention backend, "auto",
-    "dense" or "triton"; rollout.decode.StaticDecoder).
+    "dense" or "triton"; rollout.decode.StaticDecoder), fused_projections (one q/k/v and one gate/up
+    product per layer from concatenated weight copies).
     """
 
     temperature: float
@@ -51,6 +52,7 @@ class SamplingParams:
     compile: bool = False
     graph_window: int = 128
     attention: str = "auto"
+    fused_projections: bool = False
 
     @classmethod
     def from_config(
@@ -69,6 +71,7 @@ class SamplingParams:
             compile=rollout.compile_decode,
             graph_window=rollout.graph_window,
             attention=rollout.decode_attention,
+            fused_projections=rollout.fused_projections,
         )
 
 
@@ -135,6 +138,7 @@ def generate(
             compile=params.compile,
             window=params.graph_window,
             attention=params.attention,
+            fused_projections=params.fused_projections,
         )
         decoder.capture()
     timeline = DecodeTimeline()

@@ -107,19 +107,28 @@ def _bf16_rollout(model, prompts, **decode):
 
 
 @pytest.mark.parametrize(
-    ("compile", "attention"), [(False, "dense"), (True, "dense"), (False, "triton"), (True, "triton")]
+    ("compile", "attention", "fused"),
+    [
+        (False, "dense", False),
+        (True, "dense", False),
+        (False, "triton", False),
+        (True, "triton", False),
+        (True, "triton", True),
+    ],
 )
-def test_bf16_rollout_vs_trainer_logprobs(models, compile, attention):
-    """bf16: the captured (optionally compiled, or with the fused Triton attention) decode step records
-    log-probs within 0.1 (max) and 0.01 (mean) of the trainer's prefix + suffix path, over 40 tokens in
-    three own-key windows."""
+def test_bf16_rollout_vs_trainer_logprobs(models, compile, attention, fused):
+    """bf16: the captured (optionally compiled, with the fused Triton attention, with fused q/k/v and
+    gate/up products) decode step records log-probs within 0.1 (max) and 0.01 (mean) of the trainer's
+    prefix + suffix path, over 40 tokens in three own-key windows."""
     model = _bf16_model(models[0])
     prompts = _prompts("cuda", torch.bfloat16)
-    batch = _bf16_rollout(model, prompts, cuda_graphs=True, compile=compile, attention=attention)
+    batch = _bf16_rollout(
+        model, prompts, cuda_graphs=True, compile=compile, attention=attention, fused_projections=fused
+    )
     trainer = _score(model, prompts, batch.responses, attached=True).detach()
     diff = (trainer - batch.logprobs).abs()[batch.response_mask()]
     print(
-        f"bf16 rollout (compile={compile}, {attention}) vs trainer |dlogp|: "
+        f"bf16 rollout (compile={compile}, {attention}, fused={fused}) vs trainer |dlogp|: "
         f"max {float(diff.max()):.4g} mean {float(diff.mean()):.4g}"
     )
     assert float(diff.max()) <= 0.1 and float(diff.mean()) <= 0.01

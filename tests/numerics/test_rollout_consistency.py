@@ -47,13 +47,14 @@ def _rollout(model, prompts, params, seed=0):
     return generate(model, prompts, prefix, group_size=N, params=params, tokenizer=_Tokenizer(), generator=g)
 
 
-@pytest.mark.parametrize("window", [128, 3])
-def test_recorded_logprobs_equal_trainer_and_oracle_float64(models, window):
+@pytest.mark.parametrize(("window", "fused"), [(128, False), (3, False), (3, True)])
+def test_recorded_logprobs_equal_trainer_and_oracle_float64(models, window, fused):
     """The decode step (rollout.decode) equals the trainer's suffix path and the full-sequence oracle,
-    also when the own-key window grows in several pieces (window 3 over 8 tokens)."""
+    also when the own-key window grows in several pieces (window 3 over 8 tokens) and with the q/k/v and
+    gate/up products fused."""
     model, oracle = models
     prompts = _prompts()
-    batch = _rollout(model, prompts, _params(graph_window=window))
+    batch = _rollout(model, prompts, _params(graph_window=window, fused_projections=fused))
     mask = batch.response_mask()
     prefix = prefix_forward(model, prompts, temperature=T, banned_ids=BANNED, attached=True)
     trainer, _ = suffix_logprobs(
