@@ -25,9 +25,9 @@ from rollplex.models.presets import vision_special_ids
 from rollplex.rollout.engine import SamplingParams, generate
 
 VARIANTS = {
-    "eager": {"cuda_graphs": False},
-    "graphs": {"cuda_graphs": True},
-    "graphs+compile": {"cuda_graphs": True, "compile": True},
+    "eager": {"cuda_graphs": False, "attention": "dense"},
+    "graphs": {"cuda_graphs": True, "attention": "dense"},
+    "graphs+compile": {"cuda_graphs": True, "compile": True, "attention": "dense"},
     "graphs+triton": {"cuda_graphs": True, "attention": "triton"},
     "graphs+compile+triton": {"cuda_graphs": True, "compile": True, "attention": "triton"},
     "graphs+compile+triton+fused": {

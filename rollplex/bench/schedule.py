@@ -122,6 +122,7 @@ class _Workload:
             "reward.functions": "[answer_accuracy]",
             "run.auto_trials": cfg.auto_trials,
             "rollout.decode_attention": cfg.decode_attention,
+            "rollout.compile_decode": cfg.compile_decode,
             **{k: self.sms // 2 if v == "half" else v for k, v in overrides.items()},
         }
         config = load_config(

@@ -19,7 +19,6 @@ KV read once per group (the N rows' queries are stacked against it), never copie
 
 from __future__ import annotations
 
-import importlib.util
 import logging
 import os
 from collections.abc import Callable
@@ -28,7 +27,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from rollplex.rollout.decode_kernel import fused_decode_attention
+from rollplex.rollout.decode_kernel import fused_decode_attention, supports
 from rollplex.types import PrefixState
 
 log = logging.getLogger(__name__)
@@ -213,8 +212,8 @@ class StaticDecoder:
             the eager function with a warning if compilation fails).
         window: own-key window granularity in tokens.
         attention: "dense" (``decode_attention``), "triton" (rollout.decode_kernel, fused; CUDA, or
-            the CPU under ``TRITON_INTERPRET=1``) or "auto" (triton on CUDA with Triton installed, else
-            dense).
+            the CPU under ``TRITON_INTERPRET=1``) or "auto" (triton on CUDA where Triton is installed and
+            the kernel supports the heads, else dense).
         fused_projections: one q/k/v and one gate/up product per layer, from concatenated copies of
             the weights taken here (``_layer_tensors``).
 
@@ -234,7 +233,7 @@ class StaticDecoder:
         graphs: bool = False,
         compile: bool = False,
         window: int = 128,
-        attention: str = "dense",
+        attention: str = "auto",
         fused_projections: bool = False,
     ):
         lm = model.model.language_model
@@ -273,7 +272,7 @@ class StaticDecoder:
         )
         self.window = max(1, min(window, budget))
         use_cuda = device.type == "cuda"
-        self.attention = _check_attention(attention, device)
+        self.attention = _check_attention(attention, device, self.shape)
         self.layer_fns: tuple[Callable, Callable, Callable] = EAGER_LAYER_FNS
         if compile and use_cuda:
             self.layer_fns = _compiled_layer()
@@ -335,7 +334,7 @@ class StaticDecoder:
         warm.synchronize()
         # capture_begin/end rather than torch.cuda.graph, which empties the allocator's cache per capture;
         # one fresh pool per rollout, shared by its windows (a pool id reused after its graphs are freed
-        # trips the allocators' use-count checks in torch 2.11)
+        # trips the device and host allocators' use-count checks in torch 2.11)
         pool = None
         with torch.cuda.stream(warm):
             for length in lengths:
@@ -397,12 +396,14 @@ def _compiled_layer() -> tuple[Callable, Callable, Callable]:
     return _COMPILED
 
 
-def _check_attention(name: str, device: torch.device) -> str:
-    """The attention backend name, checked, "auto" resolved (see ``StaticDecoder``)."""
+def _check_attention(name: str, device: torch.device, shape: DecodeShape) -> str:
+    """The attention backend name, checked, "auto" resolved: triton on CUDA where the kernel supports
+    the model's heads (decode_kernel.supports), else dense (see ``StaticDecoder``)."""
     if name not in ATTENTION_BACKENDS:
         raise ValueError(f"decode attention {name!r}: expected one of {ATTENTION_BACKENDS}")
     if name == "auto":
-        return "triton" if device.type == "cuda" and importlib.util.find_spec("triton") else "dense"
+        usable = device.type == "cuda" and supports(shape.heads, shape.kv_heads, shape.head_dim)
+        return "triton" if usable else "dense"
     if name == "triton" and device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
         raise ValueError("decode attention 'triton' runs on CUDA (or on the CPU under TRITON_INTERPRET=1)")
     return name

@@ -229,18 +229,23 @@ class RollplexSchedule:
             log.info("auto schedule: decode/prefix span %s; keeping %s", table, self.policy.name)
 
     def state_dict(self) -> dict:
-        """What the schedule has learned (for checkpoints): step count, policy, trials, standalone times."""
+        """What the schedule has learned (for checkpoints): step count, policy, the trial plan and the
+        trials' spans, standalone times."""
         return {
             "step_index": self.step_index,
             "policy": asdict(self.policy),
+            "trials": [asdict(p) for p in self.trials],
             "timings": [(asdict(p), list(t)) for p, t in self.timings.items()],
             "alone": asdict(self.alone),
         }
 
     def load_state_dict(self, state: dict) -> None:
-        """Continue from ``state_dict()``'s output (a resumed run neither recalibrates nor repeats trials)."""
+        """Continue from ``state_dict()``'s output: a resumed run neither recalibrates nor repeats trials,
+        and keeps the trial plan it started with even if ``run.auto_trials`` changed on resume."""
         self.step_index = int(state["step_index"])
         self.policy = CoRunPolicy(**state["policy"])
+        if "trials" in state:
+            self.trials = [CoRunPolicy(**p) for p in state["trials"]]
         self.timings = {CoRunPolicy(**p): list(t) for p, t in state["timings"]}
         self.alone = Standalone(**state["alone"])
 

@@ -134,11 +134,12 @@ def test_bf16_rollout_vs_trainer_logprobs(models, compile, attention, fused):
     assert float(diff.max()) <= 0.1 and float(diff.mean()) <= 0.01
 
 
-def test_graph_replay_equals_eager_decode(models):
+@pytest.mark.parametrize("attention", ["dense", "triton"])
+def test_graph_replay_equals_eager_decode(models, attention):
     """CUDA-graph replay runs the same kernels as the eager step: bitwise the same rollout."""
     model = _bf16_model(models[0])
     prompts = _prompts("cuda", torch.bfloat16)
-    graphed = _bf16_rollout(model, prompts, cuda_graphs=True)
-    eager = _bf16_rollout(model, prompts, cuda_graphs=False)
+    graphed = _bf16_rollout(model, prompts, cuda_graphs=True, attention=attention)
+    eager = _bf16_rollout(model, prompts, cuda_graphs=False, attention=attention)
     assert torch.equal(graphed.responses, eager.responses)
     assert torch.equal(graphed.logprobs, eager.logprobs)

@@ -128,15 +128,3 @@ def test_bf16_at_the_3b_shape_against_float64():
     err = (fused.double() - ref).abs().max()
     print(f"fused bf16 vs float64 dense: max abs {float(err):.3g}")
     assert err <= 2e-2
-
-
-def test_backend_choice():
-    """``auto`` is the fused kernel on CUDA and the dense path on CPU tensors; unknown names are named."""
-    from rollplex.rollout.decode import _check_attention
-
-    assert _check_attention("auto", torch.device("cpu")) == "dense"
-    if torch.cuda.is_available():
-        assert _check_attention("auto", torch.device("cuda")) == "triton"
-    assert _check_attention("dense", torch.device("cpu")) == "dense"
-    with pytest.raises(ValueError, match="expected one of"):
-        _check_attention("flash", torch.device("cpu"))

@@ -119,3 +119,20 @@ def test_resumed_auto_run_neither_recalibrates_nor_repeats_trials(assets, tmp_pa
     assert [row["schedule/chunk_groups"] for row in policy(straight)] == [0, 0, 0, 1]
     a, b = _weights(straight), _weights(split)
     assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.mark.parametrize("resumed_trials", [1, 3])
+def test_resume_keeps_the_trial_plan_it_started_with(assets, tmp_path, resumed_trials):  # noqa: F811
+    """A run resumed mid-trials with another ``run.auto_trials`` finishes the plan it started: the same
+    calibration and round robin as a straight run, then one kept policy (the choice itself depends on
+    measured spans, so only its being one policy is compared)."""
+    extra = {"run.schedule": "auto", "eval.every": 0, "run.device": "cpu", "run.auto_trials": 2}
+    plan = 1 + 2 * len(auto_candidates(torch.device("cpu")))  # calibration + trials
+    straight = train(_config(assets, tmp_path / "straight", plan, **extra))
+    split = train(_config(assets, tmp_path / "split", 5, **extra))
+    train(_config(assets, split, plan + 2, **{**extra, "run.auto_trials": resumed_trials}), resume=True)
+    policy = lambda run: [  # noqa: E731
+        {k: v for k, v in row.items() if k.startswith("schedule/")} for row in _metrics(run) if "loss" in row
+    ]
+    assert policy(split)[:plan] == policy(straight)
+    assert policy(split)[plan] == policy(split)[plan + 1]
