@@ -137,8 +137,9 @@ def _bench_schedule(args: argparse.Namespace) -> None:
     options = {name: getattr(args, name) for name in fields if getattr(args, name) is not None}
     if args.rows is not None:
         options["rows"] = tuple(row.strip() for row in args.rows.split(","))
-    if args.compile_decode is not None:
-        options["compile_decode"] = args.compile_decode
+    for name in ("compile_decode", "fused_projections"):
+        if getattr(args, name) is not None:
+            options[name] = getattr(args, name)
     run_schedule_bench(ScheduleBenchConfig(**options), args.out)
 
 
@@ -188,6 +189,11 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
         "--compile-decode",
         action=argparse.BooleanOptionalAction,
         help="torch.compile the decode step (default on)",
+    )
+    p.add_argument(
+        "--fused-projections",
+        action=argparse.BooleanOptionalAction,
+        help="decode: one q/k/v and one gate/up product per layer (default on)",
     )
     p.add_argument("--auto-trials", type=int, help="auto row: trial steps per co-running policy (default 2)")
     p.add_argument(

@@ -165,9 +165,9 @@ class RolloutConfig:
         choices=("auto", "dense", "triton"),
     )
     fused_projections: bool = _field(
-        False,
+        True,
         "decode: one q/k/v and one gate/up matrix product per layer, from copies of those weights "
-        "concatenated when decode starts (their memory again, during rollout)",
+        "concatenated when decode starts (their memory again during rollout: 3.6 GB for the 3B model)",
     )
 
 

@@ -233,3 +233,22 @@ def test_overrides_may_follow_resume(monkeypatch, tmp_path):
     assert main(["train", str(config), "--resume", "run.steps=8", "--overwrite"]) == 0
     cfg, resume, overwrite = calls[0]
     assert cfg.run.steps == 8 and resume and overwrite
+
+
+def test_bench_schedule_options_reach_the_config(monkeypatch):
+    """``--no-compile-decode`` / ``--no-fused-projections`` switch the defaults off, absent flags keep
+    them, and the other schedule options pass through."""
+    from rollplex.bench.schedule import ScheduleBenchConfig
+
+    seen = []
+    _fake_module(
+        monkeypatch,
+        "rollplex.bench.schedule",
+        ScheduleBenchConfig=ScheduleBenchConfig,
+        run_schedule_bench=lambda cfg, out: seen.append(cfg),
+    )
+    main(["bench", "schedule", "--rows", "serial,both", "--auto-trials", "1", "--decode-attention", "triton"])
+    main(["bench", "schedule", "--no-compile-decode", "--no-fused-projections"])
+    assert (seen[0].compile_decode, seen[0].fused_projections) == (True, True)
+    assert (seen[0].rows, seen[0].auto_trials, seen[0].decode_attention) == (("serial", "both"), 1, "triton")
+    assert (seen[1].compile_decode, seen[1].fused_projections) == (False, False)

@@ -46,7 +46,7 @@ SPEC_DEFAULTS = {
         "compile_decode": True,
         "graph_window": 128,
         "decode_attention": "auto",
-        "fused_projections": False,
+        "fused_projections": True,
     },
     "algo": {
         "normalize_std": True, "clip_low": 0.2, "clip_high": 0.28, "kl_coef": 0.04, "kl_estimator": "k3",

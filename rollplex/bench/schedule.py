@@ -65,6 +65,7 @@ class ScheduleBenchConfig(Workload):
     compile_decode: bool = True
     auto_trials: int = 2
     decode_attention: str = "auto"
+    fused_projections: bool = True
 
 
 @dataclass
@@ -104,6 +105,7 @@ class _Workload:
             banned,
             compile=cfg.compile_decode,
             attention=cfg.decode_attention,
+            fused_projections=cfg.fused_projections,
         )
         self.device = device
         self.sms = (
@@ -123,6 +125,7 @@ class _Workload:
             "run.auto_trials": cfg.auto_trials,
             "rollout.decode_attention": cfg.decode_attention,
             "rollout.compile_decode": cfg.compile_decode,
+            "rollout.fused_projections": cfg.fused_projections,
             **{k: self.sms // 2 if v == "half" else v for k, v in overrides.items()},
         }
         config = load_config(
