@@ -106,11 +106,27 @@ def _grid(text: str) -> tuple[int, int, int]:
     return parts
 
 
+WORKLOAD_FIELDS = (
+    "preset",
+    "groups",
+    "group_size",
+    "response_tokens",
+    "text_tokens",
+    "grid",
+    "dtype",
+    "vision_attention",
+)
+
+
+def _options(args: argparse.Namespace, names: tuple[str, ...]) -> dict:
+    """The named command-line options that were given (None = keep the benchmark's default)."""
+    return {name: getattr(args, name) for name in names if getattr(args, name) is not None}
+
+
 def _bench_prefix(args: argparse.Namespace) -> None:
     from rollplex.bench.prefix import PrefixBenchConfig, run_prefix_bench
 
-    fields = ("preset", "groups", "group_size", "response_tokens", "text_tokens", "grid", "repeats", "dtype")
-    options = {name: getattr(args, name) for name in fields if getattr(args, name) is not None}
+    options = _options(args, (*WORKLOAD_FIELDS, "repeats"))
     if args.suffix_group_sizes is not None:
         options["suffix_group_sizes"] = tuple(int(x) for x in args.suffix_group_sizes.split(","))
     if args.parts is not None:
@@ -121,33 +137,17 @@ def _bench_prefix(args: argparse.Namespace) -> None:
 def _bench_schedule(args: argparse.Namespace) -> None:
     from rollplex.bench.schedule import ScheduleBenchConfig, run_schedule_bench
 
-    fields = (
-        "preset",
-        "groups",
-        "group_size",
-        "response_tokens",
-        "text_tokens",
-        "grid",
-        "warmup",
-        "steps",
-        "dtype",
-        "auto_trials",
-        "decode_attention",
-    )
-    options = {name: getattr(args, name) for name in fields if getattr(args, name) is not None}
+    extra = ("warmup", "steps", "auto_trials", "decode_attention", "compile_decode", "fused_projections")
+    options = _options(args, (*WORKLOAD_FIELDS, *extra))
     if args.rows is not None:
         options["rows"] = tuple(row.strip() for row in args.rows.split(","))
-    for name in ("compile_decode", "fused_projections"):
-        if getattr(args, name) is not None:
-            options[name] = getattr(args, name)
     run_schedule_bench(ScheduleBenchConfig(**options), args.out)
 
 
 def _bench_decode(args: argparse.Namespace) -> None:
     from rollplex.bench.decode import DecodeBenchConfig, run_decode_bench
 
-    fields = ("preset", "groups", "group_size", "response_tokens", "text_tokens", "grid", "dtype")
-    options = {name: getattr(args, name) for name in fields if getattr(args, name) is not None}
+    options = _options(args, WORKLOAD_FIELDS)
     if args.variants is not None:
         options["variants"] = tuple(v.strip() for v in args.variants.split(","))
     if args.profile_steps:
@@ -163,6 +163,11 @@ def _add_workload_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--text-tokens", type=int, help="text tokens per prompt (default 400)")
     p.add_argument("--grid", type=_grid, help="video patch grid t,h,w (default 16,20,44: 3,520 tokens)")
     p.add_argument("--dtype", choices=("bfloat16", "float32"), help="model dtype (default bfloat16)")
+    p.add_argument(
+        "--vision-attention",
+        choices=("per_chunk", "batched"),
+        help="vision tower attention (default per_chunk; model.vision_attention)",
+    )
     p.add_argument("--out", type=Path, help="write the results as JSON here")
 
 

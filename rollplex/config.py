@@ -117,6 +117,12 @@ class ModelConfig:
     path: str = _field("", "local Hugging Face Qwen2.5-VL checkpoint folder (required)")
     freeze_vision: bool = _field(False, "keep the vision tower and merger frozen")
     gradient_checkpointing: bool = _field(False, "recompute decoder activations in backward")
+    vision_attention: str = _field(
+        "per_chunk",
+        "vision tower attention over its windows and frames: per_chunk (transformers' SDPA backend, one "
+        "call per window) or batched (one SDPA call per distinct window length; not yet measured on the GPU)",
+        choices=("per_chunk", "batched"),
+    )
 
 
 @dataclass(kw_only=True)

@@ -50,12 +50,14 @@ from rollplex.types import ScoredBatch
 log = logging.getLogger("rollplex")
 
 
-def load_model(path: str, dtype: torch.dtype, device: torch.device, trainable: bool):
-    """A Qwen2.5-VL checkpoint folder as a model routed through rollplex attention."""
+def load_model(
+    path: str, dtype: torch.dtype, device: torch.device, trainable: bool, vision_attention: str = "per_chunk"
+):
+    """A Qwen2.5-VL checkpoint folder as a model routed through rollplex attention (``prepare_model``)."""
     from transformers import Qwen2_5_VLForConditionalGeneration
 
     model = Qwen2_5_VLForConditionalGeneration.from_pretrained(path, dtype=dtype).to(device)
-    prepare_model(model)
+    prepare_model(model, vision_attention)
     model.train(False)
     model.requires_grad_(trainable)
     return model
@@ -133,13 +135,16 @@ def build_run(cfg: Config) -> Run:
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # cuBLAS refuses determinism without it
         torch.use_deterministic_algorithms(True)
     processor = AutoProcessor.from_pretrained(cfg.model.path)
-    actor = load_model(cfg.model.path, dtype, device, trainable=True)
+    vision = cfg.model.vision_attention
+    actor = load_model(cfg.model.path, dtype, device, trainable=True, vision_attention=vision)
     if cfg.model.freeze_vision:
         actor.model.visual.requires_grad_(False)
     if cfg.model.gradient_checkpointing:
         # transformers checkpoints a layer only in training mode; Qwen2.5-VL has no active dropout.
         enable_checkpointing(actor)
-    reference = load_model(cfg.model.path, dtype, device, trainable=False) if cfg.algo.kl_coef > 0 else None
+    reference = None
+    if cfg.algo.kl_coef > 0:
+        reference = load_model(cfg.model.path, dtype, device, trainable=False, vision_attention=vision)
     banned, eos_ids, pad = special_ids(actor, processor.tokenizer, cfg.model.path)
     sampling = SamplingParams.from_config(cfg.rollout, eos_ids, pad, banned.to(device))
     optimizer = MasterWeightAdamW.for_model(actor, cfg.optim)

@@ -248,7 +248,17 @@ def test_bench_schedule_options_reach_the_config(monkeypatch):
         run_schedule_bench=lambda cfg, out: seen.append(cfg),
     )
     main(["bench", "schedule", "--rows", "serial,both", "--auto-trials", "1", "--decode-attention", "triton"])
-    main(["bench", "schedule", "--no-compile-decode", "--no-fused-projections"])
+    main(
+        [
+            "bench",
+            "schedule",
+            "--no-compile-decode",
+            "--no-fused-projections",
+            "--vision-attention",
+            "batched",
+        ]
+    )
     assert (seen[0].compile_decode, seen[0].fused_projections) == (True, True)
     assert (seen[0].rows, seen[0].auto_trials, seen[0].decode_attention) == (("serial", "both"), 1, "triton")
     assert (seen[1].compile_decode, seen[1].fused_projections) == (False, False)
+    assert (seen[0].vision_attention, seen[1].vision_attention) == ("per_chunk", "batched")

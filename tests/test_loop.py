@@ -76,6 +76,15 @@ def test_resume_is_bit_for_bit(assets, tmp_path):
     assert [ignore(r) for r in _metrics(straight)] == [ignore(r) for r in _metrics(split)]
 
 
+def test_batched_vision_attention_trains_the_same(assets, tmp_path):
+    """Two steps on video prompts with the batched vision attention reach the per-window run's weights
+    (float32 on the CPU; the same per-window arithmetic, batched)."""
+    per_window = train(_config(assets, tmp_path / "per_chunk", 2))
+    batched = train(_config(assets, tmp_path / "batched", 2, **{"model.vision_attention": "batched"}))
+    a, b = _weights(per_window), _weights(batched)
+    assert max(float((a[k] - b[k]).abs().max()) for k in a) <= 1e-6
+
+
 def test_run_artefacts(assets, tmp_path):
     run = train(_config(assets, tmp_path / "run", 2))
     rows = _metrics(run)

@@ -34,6 +34,7 @@ class Workload:
     text_tokens: int = 400
     grid: tuple[int, int, int] = (16, 20, 44)  # 32 frames of 280×616 px: 3,520 video tokens
     dtype: str = "bfloat16"
+    vision_attention: str = "per_chunk"  # model.vision_attention
 
 
 def bench_device(preset: str) -> torch.device:
@@ -52,13 +53,15 @@ def bench_device(preset: str) -> torch.device:
     return torch.device("cpu")
 
 
-def random_model(preset: str, device: torch.device, dtype: torch.dtype, seed: int = 0):
+def random_model(
+    preset: str, device: torch.device, dtype: torch.dtype, seed: int = 0, vision_attention: str = "per_chunk"
+):
     """Preset ``preset`` with random weights built directly on ``device``, routed through rollplex
-    attention, in inference mode (dropout off)."""
+    attention (``prepare_model``), in inference mode (dropout off)."""
     from rollplex.models.presets import init_model
 
     model = init_model(preset, seed=seed, dtype=dtype, device=device)
-    prepare_model(model)
+    prepare_model(model, vision_attention)
     model.train(False)
     return model
 

@@ -101,7 +101,7 @@ def run_decode_bench(cfg: DecodeBenchConfig, out: Path | None = None) -> DecodeB
         raise ValueError(f"unknown decode variants {sorted(unknown)}; expected some of {list(VARIANTS)}")
     device = bench_device(cfg.preset)
     dtype = getattr(torch, cfg.dtype)
-    model = random_model(cfg.preset, device, dtype)
+    model = random_model(cfg.preset, device, dtype, vision_attention=cfg.vision_attention)
     model.requires_grad_(False)
     shape = PromptShape(cfg.text_tokens, cfg.grid)
     prompts = [synthetic_prompt(model, shape, seed=g, device=device, dtype=dtype) for g in range(cfg.groups)]

@@ -130,7 +130,7 @@ def run_prefix_bench(cfg: PrefixBenchConfig, out: Path | None = None) -> PrefixB
     """
     device = bench_device(cfg.preset)
     dtype = getattr(torch, cfg.dtype)
-    model = random_model(cfg.preset, device, dtype)
+    model = random_model(cfg.preset, device, dtype, vision_attention=cfg.vision_attention)
     model.requires_grad_(True)
     banned = torch.tensor([model.config.image_token_id, model.config.video_token_id], device=device)
     shape = PromptShape(cfg.text_tokens, cfg.grid)

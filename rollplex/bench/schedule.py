@@ -83,7 +83,7 @@ class _Workload:
         from rollplex.models.tokenizer import build_tokenizer
 
         dtype = getattr(torch, cfg.dtype)
-        self.actor = random_model(cfg.preset, device, dtype)
+        self.actor = random_model(cfg.preset, device, dtype, vision_attention=cfg.vision_attention)
         if cfg.gradient_checkpointing:
             enable_checkpointing(self.actor)
         self.reference = copy.deepcopy(self.actor).requires_grad_(False)

@@ -252,8 +252,81 @@ def flex_shared_prefix_attention(query, own_keys, own_values, plan: SuffixPlan, 
     return _unfold(out, n, r)
 
 
+# "flash" in the name makes transformers' Qwen2.5-VL vision attention pass the packed chunk boundaries
+# (cu_seqlens) in one call instead of calling once per chunk (is_flash_attention_requested).
+VISION_ATTENTION_NAME = "rollplex_flash_varlen_vision"
+
+
+def chunked_attention(
+    module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask=None,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    cu_seq_lens_q: torch.Tensor | None = None,
+    **kwargs,
+) -> tuple[torch.Tensor, None]:
+    """Non-causal attention within each chunk of a packed sequence — the vision tower's windows and
+    frames — as one SDPA call per distinct chunk length instead of one per chunk.
+
+    Args:
+        query, key, value: [1, H, S, D], the S tokens of all chunks back to back.
+        cu_seq_lens_q: int [C + 1] chunk boundaries (0, e_1, ..., S); None treats the input as one chunk.
+        scaling: softmax scale; dropout: attention dropout probability (0 for Qwen2.5-VL).
+
+    Returns:
+        ([1, S, H, D], None) as transformers' attention functions return. The same arithmetic as
+        transformers' per-chunk SDPA loop (tests/models check it in float64, gradients included).
+
+    Raises:
+        ValueError: chunk boundaries that do not cover the sequence.
+    """
+    q, k, v = query[0], key[0], value[0]  # [H, S, D]
+    seq = q.shape[1]
+    if cu_seq_lens_q is None:
+        return _chunk_sdpa(q[None], k[None], v[None], scaling, dropout)[0].transpose(0, 1)[None], None
+    bounds = cu_seq_lens_q.tolist()  # one host read per layer, as the per-chunk loop does
+    if bounds[0] != 0 or bounds[-1] != seq or any(b > e for b, e in zip(bounds, bounds[1:])):
+        raise ValueError(f"chunk boundaries {bounds[:4]}...{bounds[-2:]} do not cover {seq} tokens")
+    by_length: dict[int, list[int]] = {}
+    for start, end in zip(bounds, bounds[1:]):
+        if end > start:
+            by_length.setdefault(end - start, []).append(start)
+    if len(by_length) == 1:  # equal chunks back to back: a view, no gather
+        (length,) = by_length
+        out = _chunk_sdpa(*(_as_chunks(t, length) for t in (q, k, v)), scaling, dropout)
+        return out.transpose(1, 2).reshape(1, seq, q.shape[0], q.shape[2]), None
+    order, pieces = [], []
+    for length, starts in by_length.items():
+        index = (
+            torch.tensor(starts, device=q.device)[:, None] + torch.arange(length, device=q.device)
+        ).flatten()
+        chunks = [
+            t.index_select(1, index).unflatten(1, (len(starts), length)).transpose(0, 1) for t in (q, k, v)
+        ]
+        pieces.append(_chunk_sdpa(*chunks, scaling, dropout).transpose(1, 2).flatten(0, 1))  # [n·L, H, D]
+        order.append(index)
+    order = torch.cat(order)
+    inverse = torch.empty_like(order).scatter_(0, order, torch.arange(seq, device=q.device))
+    return torch.cat(pieces).index_select(0, inverse)[None], None
+
+
+def _as_chunks(x: torch.Tensor, length: int) -> torch.Tensor:
+    """[H, S, D] → [S / length, H, length, D]."""
+    return x.unflatten(1, (x.shape[1] // length, length)).transpose(0, 1)
+
+
+def _chunk_sdpa(q, k, v, scaling: float | None, dropout: float) -> torch.Tensor:
+    """[C, H, L, D] per-chunk non-causal SDPA → [C, H, L, D]."""
+    return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, scale=scaling)
+
+
 def register() -> None:
-    """Register :func:`rollplex_attention` under ``ATTENTION_NAME`` (idempotent)."""
+    """Register :func:`rollplex_attention` under ``ATTENTION_NAME`` and :func:`chunked_attention` under
+    ``VISION_ATTENTION_NAME`` (idempotent)."""
     from transformers import AttentionInterface
 
     AttentionInterface.register(ATTENTION_NAME, rollplex_attention)
+    AttentionInterface.register(VISION_ATTENTION_NAME, chunked_attention)

@@ -22,6 +22,7 @@ from torch.utils.checkpoint import checkpoint
 
 from rollplex.models.attention import (
     ATTENTION_NAME,
+    VISION_ATTENTION_NAME,
     PrefixPlan,
     SuffixPlan,
     register,
@@ -34,12 +35,25 @@ from rollplex.rollout.sampler import entropy as entropy_of
 from rollplex.rollout.sampler import token_logprobs
 from rollplex.types import PrefixState, Prompt
 
+VISION_ATTENTION = ("per_chunk", "batched")
 
-def prepare_model(model) -> None:
-    """Route the language model's attention through rollplex (the vision tower keeps its own backend)."""
+
+def prepare_model(model, vision_attention: str = "per_chunk") -> None:
+    """Route the language model's attention through rollplex; the vision tower's windows and frames
+    through transformers' SDPA backend one chunk at a time (``per_chunk``) or through
+    ``models.attention.chunked_attention``, one SDPA call per distinct chunk length (``batched``).
+
+    Raises:
+        ValueError: an unknown ``vision_attention``.
+    """
+    if vision_attention not in VISION_ATTENTION:
+        raise ValueError(f"vision_attention {vision_attention!r}: expected one of {VISION_ATTENTION}")
     register()
     model.config.text_config._attn_implementation = ATTENTION_NAME
     model.model.language_model.config._attn_implementation = ATTENTION_NAME
+    if vision_attention == "batched":
+        model.config.vision_config._attn_implementation = VISION_ATTENTION_NAME
+        model.model.visual.config._attn_implementation = VISION_ATTENTION_NAME
 
 
 def enable_checkpointing(model) -> None:

@@ -1,0 +1,89 @@
+"""The batched vision attention (``models.attention.chunked_attention``) equals transformers' per-chunk
+SDPA loop: on random packed chunks (ragged, equal, empty) and through the whole vision tower, values
+and gradients, in float64."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from rollplex.models.attention import chunked_attention
+from rollplex.models.forward import prepare_model
+from tests.numerics.conftest import tiny_config
+
+
+def _loop(q, k, v, bounds, scale):
+    """transformers' non-flash path: one SDPA call per chunk, concatenated → [1, S, H, D]."""
+    outs = [
+        F.scaled_dot_product_attention(q[:, :, s:e], k[:, :, s:e], v[:, :, s:e], scale=scale)
+        for s, e in zip(bounds, bounds[1:])
+        if e > s
+    ]
+    return torch.cat(outs, dim=2).transpose(1, 2)
+
+
+@pytest.mark.parametrize(
+    "bounds", [[0, 64, 128, 160, 176, 240, 240, 272], [0, 40, 80, 120], [0, 7, 8, 50, 51]]
+)
+def test_chunked_equals_the_per_chunk_loop(bounds):
+    g = torch.Generator().manual_seed(len(bounds))
+    seq = bounds[-1]
+    q, k, v = (
+        torch.randn(1, 3, seq, 8, generator=g, dtype=torch.float64, requires_grad=True) for _ in range(3)
+    )
+    cu = torch.tensor(bounds, dtype=torch.int32)
+    got, _ = chunked_attention(None, q, k, v, scaling=0.3, cu_seq_lens_q=cu, cu_seq_lens_k=cu)
+    want = _loop(q, k, v, bounds, 0.3)
+    assert got.shape == want.shape == (1, seq, 3, 8)
+    assert (got - want).abs().max() <= 1e-12
+    weights = torch.randn(want.shape, generator=g, dtype=torch.float64)
+    for a, b in zip(
+        torch.autograd.grad((got * weights).sum(), (q, k, v)),
+        torch.autograd.grad((want * weights).sum(), (q, k, v)),
+    ):
+        assert (a - b).abs().max() <= 1e-12
+
+
+def test_without_boundaries_is_one_chunk():
+    q, k, v = (torch.randn(1, 2, 10, 8, dtype=torch.float64) for _ in range(3))
+    got, _ = chunked_attention(None, q, k, v, scaling=None)
+    assert (got - _loop(q, k, v, [0, 10], None)).abs().max() <= 1e-12
+
+
+def test_boundaries_must_cover_the_sequence():
+    q = torch.randn(1, 2, 10, 8)
+    with pytest.raises(ValueError, match="do not cover 10 tokens"):
+        chunked_attention(None, q, q, q, cu_seq_lens_q=torch.tensor([0, 4, 9]))
+
+
+@pytest.mark.parametrize("grid", [(2, 12, 20), (1, 8, 8), (4, 16, 12)])
+def test_vision_tower_batched_equals_transformers(grid):
+    """Windowed (ragged edge windows) and full-attention layers; gradients into pixels and weights."""
+    from transformers import Qwen2_5_VLForConditionalGeneration
+
+    torch.manual_seed(0)
+    reference = Qwen2_5_VLForConditionalGeneration(tiny_config()).double()
+    batched = copy.deepcopy(reference)
+    prepare_model(batched, vision_attention="batched")
+    grid_thw = torch.tensor([grid])
+    pixels = torch.randn(int(grid_thw.prod()), 3 * 2 * 14 * 14, dtype=torch.float64)
+    outs, grads = [], []
+    for model in (reference, batched):
+        px = pixels.clone().requires_grad_(True)
+        out = model.model.visual(px, grid_thw=grid_thw).pooler_output
+        weight = model.model.visual.blocks[0].attn.qkv.weight
+        outs.append(out)
+        grads.append(torch.autograd.grad(out.square().sum(), (px, weight)))
+    assert (outs[0] - outs[1]).abs().max() <= 1e-12
+    for a, b in zip(*grads):
+        assert (a - b).abs().max() <= 1e-12 * max(1.0, float(a.abs().max()))
+
+
+def test_unknown_vision_attention_is_named():
+    from transformers import Qwen2_5_VLForConditionalGeneration
+
+    with pytest.raises(ValueError, match="vision_attention 'flash'"):
+        prepare_model(Qwen2_5_VLForConditionalGeneration(tiny_config()), vision_attention="flash")
