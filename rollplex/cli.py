@@ -218,7 +218,7 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--profile-steps",
         type=int,
-        help="profile this many captured steps of the last variant (CUDA; kernel table)",
+        help="profile this many decode steps (graph replay + sampling) of the last variant (CUDA; kernel table)",
     )
     p.set_defaults(handler=_bench_decode)
 

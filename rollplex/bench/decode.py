@@ -134,7 +134,7 @@ def run_decode_bench(cfg: DecodeBenchConfig, out: Path | None = None) -> DecodeB
     if cfg.profile_steps:
         options = {k: v for k, v in VARIANTS[cfg.variants[-1]].items() if k != "cuda_graphs"}
         table = profile_steps(
-            model, prefix, cfg.group_size, cfg.response_tokens, cfg.profile_steps, **options
+            model, prefix, cfg.group_size, cfg.response_tokens, cfg.profile_steps, banned, **options
         )
         print(table)
         if out is not None:
@@ -146,13 +146,17 @@ def run_decode_bench(cfg: DecodeBenchConfig, out: Path | None = None) -> DecodeB
     return result
 
 
-def profile_steps(model, prefix, group_size: int, budget: int, steps: int, **decoder_options) -> str:
-    """torch.profiler table (top 30 by device time) of ``steps`` CUDA-graph replays of the decode step
-    (``decoder_options``: ``StaticDecoder``'s compile, attention, fused_projections; the bench profiles
-    its last variant), at response positions spread over the budget."""
+def profile_steps(
+    model, prefix, group_size: int, budget: int, steps: int, banned_ids: torch.Tensor, **decoder_options
+) -> str:
+    """torch.profiler table (top 30 by device time) of ``steps`` decode steps — the CUDA-graph replay
+    and the sampling of the next token (temperature 1, ``banned_ids`` int64 [k] never drawn), as
+    rollout runs them — at response positions spread over the budget. ``decoder_options``:
+    ``StaticDecoder``'s compile, attention, fused_projections (the bench profiles its last variant)."""
     from torch.profiler import ProfilerActivity, profile
 
     from rollplex.rollout.decode import StaticDecoder
+    from rollplex.rollout.sampler import sample_tokens
 
     decoder = StaticDecoder(model, prefix, group_size, budget, graphs=True, **decoder_options)
     decoder.capture()
@@ -160,7 +164,7 @@ def profile_steps(model, prefix, group_size: int, budget: int, steps: int, **dec
     positions = [int(i * (budget - 2) / max(1, steps - 1)) for i in range(steps)]
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         for step in positions:
-            decoder.step(token, step)
+            token, _ = sample_tokens(decoder.step(token, step), temperature=1.0, banned_ids=banned_ids)
         torch.cuda.synchronize()
     return prof.key_averages().table(sort_by="cuda_time_total", row_limit=30, max_name_column_width=70)
 
