@@ -156,6 +156,8 @@ def _bench_decode(args: argparse.Namespace) -> None:
 
 
 def _add_workload_arguments(p: argparse.ArgumentParser) -> None:
+    from rollplex.config import VISION_ATTENTION
+
     p.add_argument("--preset", choices=PRESETS, help="model size (default qwen2.5-vl-3b)")
     p.add_argument("--groups", type=int, help="prompt groups G (default 8)")
     p.add_argument("--group-size", type=int, help="responses per group N (default 8)")
@@ -165,7 +167,7 @@ def _add_workload_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", choices=("bfloat16", "float32"), help="model dtype (default bfloat16)")
     p.add_argument(
         "--vision-attention",
-        choices=("per_chunk", "batched"),
+        choices=VISION_ATTENTION,
         help="vision tower attention (default per_chunk; model.vision_attention)",
     )
     p.add_argument("--out", type=Path, help="write the results as JSON here")

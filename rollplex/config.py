@@ -52,6 +52,9 @@ def _field(default: Any, help: str, **limits: Any) -> Any:
     return field(default=default, metadata=_meta(help, **limits))
 
 
+VISION_ATTENTION = ("per_chunk", "batched")  # model.vision_attention (models.forward.prepare_model)
+
+
 @dataclass(kw_only=True)
 class RunConfig:
     """Where the run writes, how long it runs, and on which device/dtype."""
@@ -121,7 +124,7 @@ class ModelConfig:
         "per_chunk",
         "vision tower attention over its windows and frames: per_chunk (transformers' SDPA backend, one "
         "call per window) or batched (one SDPA call per distinct window length; not yet measured on the GPU)",
-        choices=("per_chunk", "batched"),
+        choices=VISION_ATTENTION,
     )
 
 

@@ -76,11 +76,15 @@ def test_resume_is_bit_for_bit(assets, tmp_path):
     assert [ignore(r) for r in _metrics(straight)] == [ignore(r) for r in _metrics(split)]
 
 
-def test_batched_vision_attention_trains_the_same(assets, tmp_path):
+def test_batched_vision_attention_trains_the_same(assets, tmp_path, monkeypatch):
     """Two steps on video prompts with the batched vision attention reach the per-window run's weights
-    (float32 on the CPU; the same per-window arithmetic, batched)."""
+    (float32 on the CPU; the same per-window arithmetic, batched), and the batched path ran."""
+    from tests.models.test_vision_attention import spy_batching
+
     per_window = train(_config(assets, tmp_path / "per_chunk", 2))
+    counts = spy_batching(monkeypatch)
     batched = train(_config(assets, tmp_path / "batched", 2, **{"model.vision_attention": "batched"}))
+    assert counts["layers"] > 0 and counts["sdpa"] == counts["buckets"]
     a, b = _weights(per_window), _weights(batched)
     assert max(float((a[k] - b[k]).abs().max()) for k in a) <= 1e-6
 

@@ -266,6 +266,8 @@ def chunked_attention(
     scaling: float | None = None,
     dropout: float = 0.0,
     cu_seq_lens_q: torch.Tensor | None = None,
+    cu_seq_lens_k: torch.Tensor | None = None,
+    is_causal: bool = False,
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
     """Non-causal attention within each chunk of a packed sequence — the vision tower's windows and
@@ -273,7 +275,8 @@ def chunked_attention(
 
     Args:
         query, key, value: [1, H, S, D], the S tokens of all chunks back to back.
-        cu_seq_lens_q: int [C + 1] chunk boundaries (0, e_1, ..., S); None treats the input as one chunk.
+        cu_seq_lens_q: int [C + 1] chunk boundaries (0, e_1, ..., S), the same for keys; None (a
+            transformers version that calls once per chunk) treats the input as one chunk.
         scaling: softmax scale; dropout: attention dropout probability (0 for Qwen2.5-VL).
 
     Returns:
@@ -281,46 +284,62 @@ def chunked_attention(
         transformers' per-chunk SDPA loop (tests/models check it in float64, gradients included).
 
     Raises:
-        ValueError: chunk boundaries that do not cover the sequence.
+        ValueError: a mask, causal attention, a batch other than 1, key boundaries other than the
+            query's, chunk boundaries that do not cover the sequence, or boundaries under another
+            keyword name (which would otherwise be read as one chunk).
     """
-    q, k, v = query[0], key[0], value[0]  # [H, S, D]
-    seq = q.shape[1]
+    _check_chunked_call(query, attention_mask, is_causal, cu_seq_lens_q, cu_seq_lens_k, kwargs)
+    tokens = query[0].transpose(0, 1)  # [S, H, D] views: token-major, as the vision tower made them
+    q, k, v = tokens, key[0].transpose(0, 1), value[0].transpose(0, 1)
+    seq = q.shape[0]
     if cu_seq_lens_q is None:
-        return _chunk_sdpa(q[None], k[None], v[None], scaling, dropout)[0].transpose(0, 1)[None], None
-    bounds = cu_seq_lens_q.tolist()  # one host read per layer, as the per-chunk loop does
-    if bounds[0] != 0 or bounds[-1] != seq or any(b > e for b, e in zip(bounds, bounds[1:])):
+        return _chunk_sdpa(q, k, v, 1, seq, scaling, dropout)[None], None
+    buckets = _buckets(cu_seq_lens_q.tolist(), seq)  # one host read per layer, as the per-chunk loop does
+    if len(buckets) == 1 and len(buckets[0][1]) * buckets[0][0] == seq:  # equal chunks back to back
+        length, starts = buckets[0]
+        return _chunk_sdpa(q, k, v, len(starts), length, scaling, dropout)[None], None
+    host = torch.tensor([i for length, starts in buckets for s in starts for i in range(s, s + length)])
+    index = host.pin_memory().to(q.device, non_blocking=True) if q.is_cuda else host  # one copy per layer
+    out, offset = q.new_empty(q.shape), 0
+    for length, starts in buckets:
+        rows = index[offset : offset + length * len(starts)]
+        chunk = [t.index_select(0, rows) for t in (q, k, v)]
+        out.index_copy_(0, rows, _chunk_sdpa(*chunk, len(starts), length, scaling, dropout))
+        offset += len(rows)
+    return out[None], None
+
+
+def _check_chunked_call(query, attention_mask, is_causal, cu_q, cu_k, kwargs) -> None:
+    """The call ``chunked_attention`` is written for (see its Raises)."""
+    problems = []
+    if attention_mask is not None or is_causal or query.shape[0] != 1:
+        problems.append("no mask, non-causal, batch 1")
+    if cu_k is not None and (cu_q is None or not torch.equal(cu_k, cu_q)):
+        problems.append("key chunk boundaries equal to the query's")
+    if cu_q is None and any(name.startswith("cu_seq") for name in kwargs):
+        problems.append(f"boundaries as cu_seq_lens_q (got {sorted(kwargs)})")
+    if problems:
+        raise ValueError("chunked vision attention needs " + "; ".join(problems))
+
+
+def _buckets(bounds: list[int], seq: int) -> list[tuple[int, list[int]]]:
+    """(length, chunk starts) per distinct non-zero chunk length, from boundaries (0, ..., seq)."""
+    if not bounds or bounds[0] != 0 or bounds[-1] != seq or any(b > e for b, e in zip(bounds, bounds[1:])):
         raise ValueError(f"chunk boundaries {bounds[:4]}...{bounds[-2:]} do not cover {seq} tokens")
     by_length: dict[int, list[int]] = {}
     for start, end in zip(bounds, bounds[1:]):
         if end > start:
             by_length.setdefault(end - start, []).append(start)
-    if len(by_length) == 1:  # equal chunks back to back: a view, no gather
-        (length,) = by_length
-        out = _chunk_sdpa(*(_as_chunks(t, length) for t in (q, k, v)), scaling, dropout)
-        return out.transpose(1, 2).reshape(1, seq, q.shape[0], q.shape[2]), None
-    order, pieces = [], []
-    for length, starts in by_length.items():
-        index = (
-            torch.tensor(starts, device=q.device)[:, None] + torch.arange(length, device=q.device)
-        ).flatten()
-        chunks = [
-            t.index_select(1, index).unflatten(1, (len(starts), length)).transpose(0, 1) for t in (q, k, v)
-        ]
-        pieces.append(_chunk_sdpa(*chunks, scaling, dropout).transpose(1, 2).flatten(0, 1))  # [n·L, H, D]
-        order.append(index)
-    order = torch.cat(order)
-    inverse = torch.empty_like(order).scatter_(0, order, torch.arange(seq, device=q.device))
-    return torch.cat(pieces).index_select(0, inverse)[None], None
+    return list(by_length.items())
 
 
-def _as_chunks(x: torch.Tensor, length: int) -> torch.Tensor:
-    """[H, S, D] → [S / length, H, length, D]."""
-    return x.unflatten(1, (x.shape[1] // length, length)).transpose(0, 1)
-
-
-def _chunk_sdpa(q, k, v, scaling: float | None, dropout: float) -> torch.Tensor:
-    """[C, H, L, D] per-chunk non-causal SDPA → [C, H, L, D]."""
-    return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, scale=scaling)
+def _chunk_sdpa(q, k, v, chunks: int, length: int, scaling: float | None, dropout: float) -> torch.Tensor:
+    """Token-major [chunks·length, H, D] inputs, chunk after chunk → non-causal SDPA within each chunk,
+    same layout out."""
+    heads, dim = q.shape[1:]
+    split = [t.view(chunks, length, heads, dim).transpose(1, 2) for t in (q, k, v)]  # [C, H, L, D]
+    out = F.scaled_dot_product_attention(*split, dropout_p=dropout, scale=scaling)
+    return out.transpose(1, 2).reshape(chunks * length, heads, dim)
 
 
 def register() -> None:

@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
+from rollplex.config import VISION_ATTENTION
 from rollplex.models.attention import (
     ATTENTION_NAME,
     VISION_ATTENTION_NAME,
@@ -35,13 +36,12 @@ from rollplex.rollout.sampler import entropy as entropy_of
 from rollplex.rollout.sampler import token_logprobs
 from rollplex.types import PrefixState, Prompt
 
-VISION_ATTENTION = ("per_chunk", "batched")
-
 
 def prepare_model(model, vision_attention: str = "per_chunk") -> None:
     """Route the language model's attention through rollplex; the vision tower's windows and frames
-    through transformers' SDPA backend one chunk at a time (``per_chunk``) or through
-    ``models.attention.chunked_attention``, one SDPA call per distinct chunk length (``batched``).
+    through ``models.attention.chunked_attention``, one SDPA call per distinct chunk length
+    (``batched``), or through the backend transformers chose, one call per chunk (``per_chunk``: the
+    model's setting is left as it is, SDPA by default).
 
     Raises:
         ValueError: an unknown ``vision_attention``.

@@ -10,6 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from rollplex.models import attention
 from rollplex.models.attention import chunked_attention
 from rollplex.models.forward import prepare_model
 from tests.numerics.conftest import tiny_config
@@ -53,15 +54,56 @@ def test_without_boundaries_is_one_chunk():
     assert (got - _loop(q, k, v, [0, 10], None)).abs().max() <= 1e-12
 
 
-def test_boundaries_must_cover_the_sequence():
+@pytest.mark.parametrize("bounds", [[0, 4, 9], [0, 6, 4, 10], [1, 10]])
+def test_boundaries_must_cover_the_sequence(bounds):
     q = torch.randn(1, 2, 10, 8)
     with pytest.raises(ValueError, match="do not cover 10 tokens"):
-        chunked_attention(None, q, q, q, cu_seq_lens_q=torch.tensor([0, 4, 9]))
+        chunked_attention(None, q, q, q, cu_seq_lens_q=torch.tensor(bounds))
 
 
-@pytest.mark.parametrize("grid", [(2, 12, 20), (1, 8, 8), (4, 16, 12)])
-def test_vision_tower_batched_equals_transformers(grid):
-    """Windowed (ragged edge windows) and full-attention layers; gradients into pixels and weights."""
+@pytest.mark.parametrize(
+    ("call", "message"),
+    [
+        ({"attention_mask": torch.ones(1)}, "no mask"),
+        ({"is_causal": True}, "non-causal"),
+        ({"cu_seq_lens_q": torch.tensor([0, 10]), "cu_seq_lens_k": torch.tensor([0, 5, 10])}, "key chunk"),
+        ({"cu_seqlens_q": torch.tensor([0, 5, 10])}, "boundaries as cu_seq_lens_q"),
+    ],
+)
+def test_calls_it_is_not_written_for_are_refused(call, message):
+    q = torch.randn(1, 2, 10, 8)
+    with pytest.raises(ValueError, match=message):
+        chunked_attention(None, q, q, q, **call)
+
+
+def spy_batching(monkeypatch) -> dict[str, int]:
+    """Counts of chunk-boundary reads (one per layer when transformers hands the boundaries over) and
+    of batched SDPA calls (one per distinct chunk length and layer)."""
+    counts = {"layers": 0, "buckets": 0, "sdpa": 0}
+    buckets, sdpa = attention._buckets, attention._chunk_sdpa
+
+    def counted_buckets(bounds, seq):
+        out = buckets(bounds, seq)
+        counts["layers"] += 1
+        counts["buckets"] += len(out)
+        return out
+
+    def counted_sdpa(*args):
+        counts["sdpa"] += 1
+        return sdpa(*args)
+
+    monkeypatch.setattr(attention, "_buckets", counted_buckets)
+    monkeypatch.setattr(attention, "_chunk_sdpa", counted_sdpa)
+    return counts
+
+
+@pytest.mark.parametrize(
+    ("grid", "buckets"), [((2, 12, 20), 3 + 1), ((1, 8, 8), 1 + 1), ((4, 16, 12), 2 + 1)]
+)
+def test_vision_tower_batched_equals_transformers(grid, buckets, monkeypatch):
+    """Windowed (ragged edge windows) and full-attention layers; gradients into pixels and weights.
+    transformers hands each layer's window boundaries over in one call: one batched SDPA call per
+    distinct window length (windowed layer) plus one (full-attention layer)."""
     from transformers import Qwen2_5_VLForConditionalGeneration
 
     torch.manual_seed(0)
@@ -70,6 +112,7 @@ def test_vision_tower_batched_equals_transformers(grid):
     prepare_model(batched, vision_attention="batched")
     grid_thw = torch.tensor([grid])
     pixels = torch.randn(int(grid_thw.prod()), 3 * 2 * 14 * 14, dtype=torch.float64)
+    counts = spy_batching(monkeypatch)
     outs, grads = [], []
     for model in (reference, batched):
         px = pixels.clone().requires_grad_(True)
@@ -77,6 +120,7 @@ def test_vision_tower_batched_equals_transformers(grid):
         weight = model.model.visual.blocks[0].attn.qkv.weight
         outs.append(out)
         grads.append(torch.autograd.grad(out.square().sum(), (px, weight)))
+    assert counts == {"layers": 2, "buckets": buckets, "sdpa": buckets}  # the batched model's forward only
     assert (outs[0] - outs[1]).abs().max() <= 1e-12
     for a, b in zip(*grads):
         assert (a - b).abs().max() <= 1e-12 * max(1.0, float(a.abs().max()))

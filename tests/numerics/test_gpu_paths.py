@@ -145,18 +145,19 @@ def test_graph_replay_equals_eager_decode(models, attention):
     assert torch.equal(graphed.logprobs, eager.logprobs)
 
 
-def test_batched_vision_attention_bf16(models):
+def test_batched_vision_attention_bf16(models, monkeypatch):
     """bf16 on CUDA: the batched vision attention gives the vision tower's output within bf16 rounding
-    of transformers' per-window loop (same kernels, batched), gradients included."""
+    of transformers' per-window loop (same kernels, batched), gradients included; this transformers
+    version hands the window boundaries over (one boundary read per layer)."""
     from rollplex.models.forward import prepare_model
+    from tests.models.test_vision_attention import spy_batching
 
     reference = _bf16_model(models[0])
-    reference.config.vision_config._attn_implementation = "sdpa"
-    reference.model.visual.config._attn_implementation = "sdpa"
     batched = copy.deepcopy(reference)
     prepare_model(batched, vision_attention="batched")
     grid = torch.tensor([[4, 12, 20]], device="cuda")
     pixels = torch.randn(int(grid.prod()), 3 * 2 * 14 * 14, device="cuda", dtype=torch.bfloat16)
+    counts = spy_batching(monkeypatch)
     outs, grads = [], []
     for model in (reference, batched):
         px = pixels.clone().requires_grad_(True)
@@ -165,5 +166,6 @@ def test_batched_vision_attention_bf16(models):
         grads.append(torch.autograd.grad(out.square().sum(), px)[0].float())
     scale = float(outs[0].abs().max())
     print(f"batched vs per-window vision: max {float((outs[0] - outs[1]).abs().max()):.3g} of {scale:.3g}")
+    assert counts["layers"] == len(batched.model.visual.blocks) and counts["sdpa"] == counts["buckets"]
     assert float((outs[0] - outs[1]).abs().max()) <= 2e-2 * scale
     assert float((grads[0] - grads[1]).abs().max()) <= 2e-2 * float(grads[0].abs().max())
