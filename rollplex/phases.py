@@ -1,4 +1,4 @@
-"""The phases of one synchronous GRPO iteration (DESIGN.md §2), each a function of typed inputs.
+"""The phases of one synchronous GRPO iteration (docs/architecture.md), each a function of typed inputs.
 
     rollout    rollout prefix (detached, θ_k) → decode N responses per group
     rewards    reward functions → group advantages

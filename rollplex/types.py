@@ -97,7 +97,7 @@ class Prompt:
 
 @dataclass
 class PrefixState:
-    """Boundary state of G prompt prefixes under one set of weights (DESIGN.md §1, paper §2.3).
+    """Boundary state of G prompt prefixes under one set of weights (paper §2.3).
 
     Fields:
         keys, values: per layer, [G, H_kv, P_max, D] in the model dtype, keys after RoPE; positions

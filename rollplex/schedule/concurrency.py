@@ -8,7 +8,7 @@ Who waits on what:
                                                                      decode and prefix streams; boundary
                                                                      tensors are marked as used by it
 
-Co-running levers (DESIGN.md §4): decode on a high-priority stream (``decode_stream``; its CUDA graphs
+Co-running levers: decode on a high-priority stream (``decode_stream``; its CUDA graphs
 are captured on a stream of the same priority), the prefix work issued in chunks (the caller
 synchronises the worker stream between chunks), and an SM carve-out that keeps cuBLAS matrix products
 launched from ``SideWork.start`` until ``SideWork.decode_done`` off some SMs. The carve-out is process

@@ -1,4 +1,4 @@
-"""The critical-path terms of paper Eq. 1, measured per step (DESIGN.md §2).
+"""The critical-path terms of paper Eq. 1 (paper §3.1), measured per step.
 
     T_rollplex = max(T_D + ΔD, T_P) + T_post        saving over serial  S = min(T_P − ΔD, T_D)
 

@@ -1,7 +1,7 @@
 """The Rollplex schedule (paper §2.3, §3.1): prompt-side work inside the decode window, suffixes after.
 
     Phase 1  rollout decode of N responses per group (critical path, main thread, high-priority
-             stream), from its own rollout prefix — or, with prefill fusion (DESIGN.md §3.4), from the
+             stream), from its own rollout prefix — or, with prefill fusion (docs/architecture.md), from the
              actor prefix's detached boundary (one prompt pass fewer);
              concurrently (``run.overlap``, schedule.concurrency): reference prefix (detached) and actor
              prefix (attached) once per group under θ_k, on a worker thread and its own CUDA stream,
@@ -52,7 +52,7 @@ Prefixes = tuple[PrefixState | None, list[PrefixState] | None]
 
 @dataclass(frozen=True)
 class CoRunPolicy:
-    """How Phase-1 prefix work shares the device with decode (DESIGN.md §4)."""
+    """How Phase-1 prefix work shares the device with decode (docs/architecture.md)."""
 
     overlap: bool = True
     decode_priority: bool = True

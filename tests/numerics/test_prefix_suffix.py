@@ -1,6 +1,6 @@
 """Prefix + suffix == full sequence: log-probs (≤ 1e-10 abs) and gradients (≤ 1e-9 rel), float64.
 
-DESIGN.md §5, lines 1–2. Cases: images and videos with different second_per_grid_ts, text-only
+docs/numerics.md, the first rows. Cases: images and videos with different second_per_grid_ts, text-only
 prompts mixed with video prompts (B15), several groups of different prompt lengths in one batch,
 responses of length 1 and of the full budget, a response containing a vision placeholder id (B05),
 consecutive calls with different layouts (B01).

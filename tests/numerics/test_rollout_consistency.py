@@ -1,7 +1,7 @@
 """Rollout records the trainer's log-probs; decode from a shared prefix equals a full-sequence forward.
 
-DESIGN.md §5 (rollout log-probs follow the trainer's definition; step-0 ratio 1), field cases B05
-(vision ids are never sampled), B08, and the issue's "fp32 on CPU ≤ 1e-5" step-0 check.
+docs/numerics.md (rollout log-probs follow the trainer's definition; step-0 ratio 1), field cases B05
+(vision ids are never sampled), B08, and the step-0 check in float32 on the CPU (≤ 1e-5).
 """
 
 from __future__ import annotations
