@@ -406,7 +406,7 @@ def _should_save(cfg: Config, step: int) -> bool:
 
 
 def _summary(run: Run, first: dict, last: dict, seconds: float) -> None:
-    parts = [f"run folder {run.run_dir}", f"wall time {seconds / 60:.1f} min"]
+    parts = [f"run folder {run.run_dir}", f"{seconds / 60:.1f} min from model load to last save"]
     if "val_accuracy" in first and "val_accuracy" in last:
         parts.append(f"held-out accuracy {first['val_accuracy']:.3f} -> {last['val_accuracy']:.3f}")
     elif "val_accuracy" in last:

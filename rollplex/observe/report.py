@@ -184,6 +184,16 @@ def accuracy_figure(rows: Sequence[dict]) -> Figure | None:
     return fig
 
 
+PHASES = ("data", "rollout", "prefix", "rewards", "reference", "actor", "optimizer", "phase1", "other")
+
+
+def phase_colour(name: str) -> str:
+    """One colour per phase name in every figure (matplotlib's C0–C9 cycle in ``PHASES`` order; other
+    names after them)."""
+    index = PHASES.index(name) if name in PHASES else len(PHASES) + sum(map(ord, name))
+    return f"C{index % 10}"
+
+
 def step_time_figure(rows: Sequence[dict]) -> Figure | None:
     """Stacked per-step phase seconds and the mean breakdown (12×4.5 in); None without ``time/`` keys."""
     steps, table = step_times(rows)
@@ -193,14 +203,14 @@ def step_time_figure(rows: Sequence[dict]) -> Figure | None:
     bars, means = fig.add_subplot(1, 2, 1), fig.add_subplot(1, 2, 2)
     bottom = [0.0] * len(steps)
     for name, values in table.items():
-        bars.bar(steps, values, bottom=bottom, label=name, width=0.8)
+        bars.bar(steps, values, bottom=bottom, label=name, width=0.8, color=phase_colour(name))
         bottom = [b + v for b, v in zip(bottom, values, strict=True)]
     _step_axis(bars, ylabel="seconds", title="Step time by phase")
     bars.legend(fontsize="small")
     breakdown = mean_breakdown(table)
     total = sum(breakdown.values()) or 1.0
     names = list(breakdown)
-    means.barh(names, [breakdown[n] for n in names], color=[f"C{i}" for i in range(len(names))])
+    means.barh(names, [breakdown[n] for n in names], color=[phase_colour(n) for n in names])
     for i, name in enumerate(names):
         means.text(
             breakdown[name],
@@ -242,7 +252,7 @@ def timeline_figure(trace: dict, last_seconds: float = 30.0) -> Figure | None:
     end = max(e["ts"] + e["dur"] for e in spans) / 1e6
     shown = [e for e in spans if (e["ts"] + e["dur"]) / 1e6 >= end - last_seconds]
     phases = sorted({e["name"] for e in shown})
-    colours = {name: f"C{i % 10}" for i, name in enumerate(phases)}
+    colours = {name: phase_colour(name) for name in phases}
     rows = sorted({e["tid"] for e in shown})
     fig = Figure(figsize=(10, 1.2 + 0.6 * len(rows)))
     ax = fig.add_subplot()

@@ -226,3 +226,26 @@ def test_eq1_and_schedule_bench_figures(tmp_path):
     (tmp_path / "bad.json").write_text("{}")
     with pytest.raises(ValueError, match="not a rollplex bench schedule result"):
         bench_report(tmp_path / "bad.json")
+
+
+def test_a_phase_has_one_colour_in_every_figure():
+    """The step-time bars and the timeline draw a phase in the same colour, whatever phases are present."""
+    from matplotlib.colors import to_rgba
+
+    from rollplex.observe.report import PHASES, phase_colour, step_time_figure, timeline_figure
+
+    assert len({phase_colour(name) for name in PHASES}) == len(PHASES)
+    rows = [{"step": 1, "time/data": 0.1, "time/actor": 2.0}]
+    bars = step_time_figure(rows).axes[0]
+    bar_colours = {c.get_label(): c.patches[0].get_facecolor() for c in bars.containers}
+    trace = {
+        "traceEvents": [
+            {"ph": "M", "tid": 0, "args": {"name": "main"}},
+            {"ph": "X", "tid": 0, "name": "actor", "ts": 0, "dur": 2e6},
+            {"ph": "X", "tid": 0, "name": "rollout", "ts": 2e6, "dur": 1e6},
+        ]
+    }
+    spans = timeline_figure(trace).axes[0].collections
+    span_colours = [tuple(c.get_facecolor()[0]) for c in spans]
+    assert bar_colours["actor"] == to_rgba(phase_colour("actor")) == span_colours[0]
+    assert span_colours[1] == to_rgba(phase_colour("rollout")) != span_colours[0]
