@@ -174,6 +174,8 @@ def _add_workload_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _add_bench(sub: argparse._SubParsersAction) -> None:
+    from rollplex.config import DECODE_ATTENTION
+
     bench = sub.add_parser("bench", help="GPU benchmarks, measured side by side").add_subparsers(
         dest="bench_command", required=True
     )
@@ -205,7 +207,7 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--auto-trials", type=int, help="auto row: trial steps per co-running policy (default 2)")
     p.add_argument(
         "--decode-attention",
-        choices=("auto", "dense", "triton"),
+        choices=DECODE_ATTENTION,
         help="decode attention backend (default auto: triton on CUDA)",
     )
     p.set_defaults(handler=_bench_schedule)

@@ -53,6 +53,7 @@ def _field(default: Any, help: str, **limits: Any) -> Any:
 
 
 VISION_ATTENTION = ("per_chunk", "batched")  # model.vision_attention (models.forward.prepare_model)
+DECODE_ATTENTION = ("auto", "dense", "triton")  # rollout.decode_attention (rollout.decode.StaticDecoder)
 
 
 @dataclass(kw_only=True)
@@ -171,7 +172,7 @@ class RolloutConfig:
         "auto",
         "decode attention: triton (fused split-K kernel, CUDA), dense (score tensors in memory) or auto "
         "(triton on CUDA when Triton is installed, else dense)",
-        choices=("auto", "dense", "triton"),
+        choices=DECODE_ATTENTION,
     )
     fused_projections: bool = _field(
         True,

@@ -93,20 +93,8 @@ class _Workload:
         self.prompts = [
             synthetic_prompt(self.actor, shape, seed=g, device=device, dtype=dtype) for g in range(cfg.groups)
         ]
-        banned = torch.tensor(vision_special_ids(self.actor.config), device=device)
-        eos = self.tokenizer.convert_tokens_to_ids("<|im_end|>")
-        self.sampling = SamplingParams(
-            1.0,
-            1.0,
-            0,
-            cfg.response_tokens,
-            (eos,),
-            eos,
-            banned,
-            compile=cfg.compile_decode,
-            attention=cfg.decode_attention,
-            fused_projections=cfg.fused_projections,
-        )
+        self.banned = torch.tensor(vision_special_ids(self.actor.config), device=device)
+        self.eos = self.tokenizer.convert_tokens_to_ids("<|im_end|>")
         self.device = device
         self.sms = (
             torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 2
@@ -132,8 +120,9 @@ class _Workload:
             None, [f"{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in items.items()]
         )
         optimizer = MasterWeightAdamW.for_model(self.actor, config.optim)
+        sampling = SamplingParams.from_config(config.rollout, (self.eos,), self.eos, self.banned)
         generator = torch.Generator(device=self.device).manual_seed(0)
-        return Roles(self.actor, self.reference, optimizer, self.tokenizer, self.sampling, generator, config)
+        return Roles(self.actor, self.reference, optimizer, self.tokenizer, sampling, generator, config)
 
 
 def _warmup(step, cfg: ScheduleBenchConfig) -> int:

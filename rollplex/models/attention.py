@@ -289,8 +289,7 @@ def chunked_attention(
             keyword name (which would otherwise be read as one chunk).
     """
     _check_chunked_call(query, attention_mask, is_causal, cu_seq_lens_q, cu_seq_lens_k, kwargs)
-    tokens = query[0].transpose(0, 1)  # [S, H, D] views: token-major, as the vision tower made them
-    q, k, v = tokens, key[0].transpose(0, 1), value[0].transpose(0, 1)
+    q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))  # [S, H, D]: token-major, as made
     seq = q.shape[0]
     if cu_seq_lens_q is None:
         return _chunk_sdpa(q, k, v, 1, seq, scaling, dropout)[None], None

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from rollplex.config import DECODE_ATTENTION
 from rollplex.rollout.decode_kernel import fused_decode_attention, supports
 from rollplex.types import PrefixState
 
@@ -196,7 +197,7 @@ def layer_out(
     return layer_post(hidden, attention, weights, shape)
 
 
-ATTENTION_BACKENDS = ("auto", "dense", "triton")
+ATTENTION_BACKENDS = DECODE_ATTENTION
 EAGER_LAYER_FNS = (layer_qkv, layer_out, layer_post)
 
 
