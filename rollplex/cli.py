@@ -183,7 +183,10 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     _add_workload_arguments(p)
     p.add_argument("--repeats", type=int, help="timed repeats after one warm-up (default 1)")
     p.add_argument("--suffix-group-sizes", help="N values of the suffix-memory sweep (default 4,8,16)")
-    p.add_argument("--parts", help="comma-separated subset of compare,suffix-memory (default both)")
+    p.add_argument(
+        "--parts",
+        help="comma-separated subset of compare,suffix-memory,vision (default compare,suffix-memory)",
+    )
     p.set_defaults(handler=_bench_prefix)
     p = bench.add_parser("schedule", help="serial vs rollplex schedules on one training workload")
     _add_workload_arguments(p)

@@ -12,7 +12,9 @@ N responses of R tokens per group, random weights. Two roles are measured:
 
 Reported per role: median step time and peak device memory above the weights, and their ratios; plus
 the suffix-pass peak memory for several N at fixed prompt length (it must grow with N·R, not N·P),
-and the bf16 agreement of the two ways' log-probs.
+and the bf16 agreement of the two ways' log-probs. The ``vision`` part times the prefix pass alone
+(vision tower + prompt prefill of every group; detached, and attached with backward) under each
+``model.vision_attention``, side by side in one process.
 """
 
 from __future__ import annotations
@@ -35,8 +37,15 @@ from rollplex.bench.common import (
     synthetic_prompt,
     text_id_range,
 )
+from rollplex.config import VISION_ATTENTION
 from rollplex.models.attention import PrefixPlan
-from rollplex.models.forward import _decoder, _token_logprobs_chunked, prefix_forward, prompt_embeddings
+from rollplex.models.forward import (
+    _decoder,
+    _token_logprobs_chunked,
+    prefix_forward,
+    prepare_model,
+    prompt_embeddings,
+)
 from rollplex.models.forward import suffix_logprobs as suffix_lp
 from rollplex.types import Prompt
 
@@ -50,11 +59,15 @@ class PrefixBenchConfig(Workload):
     parts: tuple[str, ...] = ("compare", "suffix-memory")
 
 
+PARTS = ("compare", "suffix-memory", "vision")
+
+
 @dataclass
 class PrefixBenchResult:
     config: dict
     prompt_tokens: int
     rows: dict = field(default_factory=dict)
+    vision_attention: dict = field(default_factory=dict)
     suffix_memory: dict = field(default_factory=dict)
     logprob_agreement: dict = field(default_factory=dict)
 
@@ -126,8 +139,11 @@ def run_prefix_bench(cfg: PrefixBenchConfig, out: Path | None = None) -> PrefixB
     """Run the workload on CUDA (or CPU for smoke tests); print and return the table.
 
     Raises:
-        ValueError: unknown preset, or a preset other than ``tiny`` without a CUDA device.
+        ValueError: unknown preset or part, or a preset other than ``tiny`` without a CUDA device.
     """
+    unknown = set(cfg.parts) - set(PARTS)
+    if unknown:
+        raise ValueError(f"bench prefix parts {sorted(unknown)}: expected a subset of {PARTS}")
     device = bench_device(cfg.preset)
     dtype = getattr(torch, cfg.dtype)
     model = random_model(cfg.preset, device, dtype, vision_attention=cfg.vision_attention)
@@ -144,6 +160,9 @@ def run_prefix_bench(cfg: PrefixBenchConfig, out: Path | None = None) -> PrefixB
         _compare_roles(model, prompts, responses, cfg, banned, device, result)
     if "suffix-memory" in cfg.parts:
         result.suffix_memory = _suffix_memory(model, prompts[0], cfg, banned, device)
+    if "vision" in cfg.parts:
+        result.vision_attention = _vision_attention(model, prompts, cfg, banned, device)
+        prepare_model(model, cfg.vision_attention)
     _print(result)
     if out is not None:
         out.parent.mkdir(parents=True, exist_ok=True)
@@ -219,6 +238,37 @@ def _suffix_memory(model, prompt, cfg, banned, device) -> dict:
     return rows
 
 
+def _prefix_pass(model, prompts, banned, attached: bool) -> None:
+    """Prefix of every group (vision tower + prompt prefill), one group at a time; attached: backward
+    from the mean of its boundary KV into the prefix and the vision tower."""
+    for prompt in prompts:
+        state = prefix_forward(model, [prompt], temperature=1.0, banned_ids=banned, attached=attached)
+        if attached:
+            torch.stack([t.float().mean() for t in state.keys + state.values]).sum().backward()
+
+
+def _vision_attention(model, prompts, cfg, banned, device) -> dict:
+    """Seconds and peak GiB of the prefix pass under each ``model.vision_attention``, detached
+    (reference, rollout) and attached with backward (actor); speedup = per_chunk / that mode."""
+    rows = {}
+    for mode in VISION_ATTENTION:
+        prepare_model(model, mode)
+        for role, attached in (("reference", False), ("actor", True)):
+            with torch.enable_grad() if attached else torch.no_grad():
+                seconds, peak, _ = _measure(
+                    f"prefix pass {role}, vision attention {mode}",
+                    partial(_prefix_pass, model, prompts, banned, attached),
+                    partial(_prefix_pass, model, prompts[:1], banned, attached),
+                    cfg.repeats,
+                    device,
+                )
+            model.zero_grad(set_to_none=True)
+            rows[f"{role}/{mode}"] = {"seconds": seconds, "peak_gib": peak}
+    for key, row in rows.items():
+        row["speedup"] = rows[key.split("/")[0] + "/per_chunk"]["seconds"] / row["seconds"]
+    return rows
+
+
 def _nothing() -> None:
     return None
 
@@ -234,3 +284,7 @@ def _print(result: PrefixBenchResult) -> None:
         "suffix pass peak memory by N:", {k: round(v["peak_gib"], 2) for k, v in result.suffix_memory.items()}
     )
     print(f"log-prob agreement rollplex vs naive ({result.config['dtype']}):", result.logprob_agreement)
+    for key, row in result.vision_attention.items():
+        print(
+            f"prefix pass {key:28} {row['seconds']:8.3f} s  peak {row['peak_gib']:6.2f} GiB  x{row['speedup']:.2f}"
+        )

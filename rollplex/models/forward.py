@@ -40,8 +40,8 @@ from rollplex.types import PrefixState, Prompt
 def prepare_model(model, vision_attention: str = "per_chunk") -> None:
     """Route the language model's attention through rollplex; the vision tower's windows and frames
     through ``models.attention.chunked_attention``, one SDPA call per distinct chunk length
-    (``batched``), or through the backend transformers chose, one call per chunk (``per_chunk``: the
-    model's setting is left as it is, SDPA by default).
+    (``batched``), or through the backend transformers chose when the model was built, one call per
+    chunk (``per_chunk``). Calling it again switches the vision tower between the two.
 
     Raises:
         ValueError: an unknown ``vision_attention``.
@@ -51,9 +51,12 @@ def prepare_model(model, vision_attention: str = "per_chunk") -> None:
     register()
     model.config.text_config._attn_implementation = ATTENTION_NAME
     model.model.language_model.config._attn_implementation = ATTENTION_NAME
-    if vision_attention == "batched":
-        model.config.vision_config._attn_implementation = VISION_ATTENTION_NAME
-        model.model.visual.config._attn_implementation = VISION_ATTENTION_NAME
+    visual = model.model.visual.config
+    if not hasattr(model, "rollplex_vision_default"):
+        model.rollplex_vision_default = visual._attn_implementation
+    name = VISION_ATTENTION_NAME if vision_attention == "batched" else model.rollplex_vision_default
+    model.config.vision_config._attn_implementation = name
+    visual._attn_implementation = name
 
 
 def enable_checkpointing(model) -> None:

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from rollplex.bench.prefix import PrefixBenchConfig, run_prefix_bench
+from rollplex.config import VISION_ATTENTION
 
 
 def test_tiny_bench_runs_and_agrees(tmp_path):
@@ -26,6 +27,24 @@ def test_tiny_bench_runs_and_agrees(tmp_path):
     assert result.logprob_agreement["max_abs"] <= 1e-5
     assert set(result.suffix_memory) == {"2", "3"}
     assert json.loads((tmp_path / "out.json").read_text())["prompt_tokens"] == 20 + 2 * 4 * 4 // 4
+
+
+def test_vision_part_times_both_modes_and_restores_the_model(tmp_path):
+    cfg = PrefixBenchConfig(
+        preset="tiny", groups=2, group_size=2, response_tokens=4, text_tokens=12, grid=(2, 4, 4),
+        dtype="float32", parts=("vision",),
+    )  # fmt: skip
+    result = run_prefix_bench(cfg, tmp_path / "out.json")
+    assert set(result.vision_attention) == {
+        f"{r}/{m}" for r in ("reference", "actor") for m in VISION_ATTENTION
+    }
+    assert all(row["seconds"] > 0 for row in result.vision_attention.values())
+    assert result.vision_attention["actor/per_chunk"]["speedup"] == 1.0
+
+
+def test_unknown_part_is_refused():
+    with pytest.raises(ValueError, match="parts"):
+        run_prefix_bench(PrefixBenchConfig(preset="tiny", parts=("compare", "visoin")))
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the guard is for machines without CUDA")

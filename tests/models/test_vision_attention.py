@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from rollplex.models import attention
-from rollplex.models.attention import chunked_attention
+from rollplex.models.attention import VISION_ATTENTION_NAME, chunked_attention
 from rollplex.models.forward import prepare_model
 from tests.numerics.conftest import tiny_config
 
@@ -131,3 +131,21 @@ def test_unknown_vision_attention_is_named():
 
     with pytest.raises(ValueError, match="vision_attention 'flash'"):
         prepare_model(Qwen2_5_VLForConditionalGeneration(tiny_config()), vision_attention="flash")
+
+
+def test_prepare_model_switches_the_vision_tower_both_ways(monkeypatch):
+    """batched → per_chunk puts back the backend the model was built with, and the switch takes effect:
+    the batched function runs only while batched is set."""
+    from transformers import Qwen2_5_VLForConditionalGeneration
+
+    model = Qwen2_5_VLForConditionalGeneration(tiny_config()).double()
+    built_with = model.model.visual.config._attn_implementation
+    grid_thw = torch.tensor([(1, 8, 8)])
+    pixels = torch.randn(int(grid_thw.prod()), 3 * 2 * 14 * 14, dtype=torch.float64)
+    counts = spy_batching(monkeypatch)
+    for mode, layers in (("batched", 2), ("per_chunk", 2), ("batched", 4)):
+        prepare_model(model, vision_attention=mode)
+        model.model.visual(pixels, grid_thw=grid_thw)
+        assert counts["layers"] == layers
+    prepare_model(model, vision_attention="per_chunk")
+    assert model.model.visual.config._attn_implementation == built_with != VISION_ATTENTION_NAME
