@@ -168,7 +168,7 @@ def _add_workload_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--vision-attention",
         choices=VISION_ATTENTION,
-        help="vision tower attention (default per_chunk; model.vision_attention)",
+        help="vision tower attention (default batched; model.vision_attention)",
     )
     p.add_argument("--out", type=Path, help="write the results as JSON here")
 

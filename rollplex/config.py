@@ -122,9 +122,9 @@ class ModelConfig:
     freeze_vision: bool = _field(False, "keep the vision tower and merger frozen")
     gradient_checkpointing: bool = _field(False, "recompute decoder activations in backward")
     vision_attention: str = _field(
-        "per_chunk",
-        "vision tower attention over its windows and frames: per_chunk (transformers' SDPA backend, one "
-        "call per window) or batched (one SDPA call per distinct window length; not yet measured on the GPU)",
+        "batched",
+        "vision tower attention over its windows and frames: batched (one SDPA call per distinct window "
+        "length; 2.2x faster actor prefix on one H200) or per_chunk (transformers' backend, one call per window)",
         choices=VISION_ATTENTION,
     )
 

@@ -51,7 +51,7 @@ log = logging.getLogger("rollplex")
 
 
 def load_model(
-    path: str, dtype: torch.dtype, device: torch.device, trainable: bool, vision_attention: str = "per_chunk"
+    path: str, dtype: torch.dtype, device: torch.device, trainable: bool, vision_attention: str = "batched"
 ):
     """A Qwen2.5-VL checkpoint folder as a model routed through rollplex attention (``prepare_model``)."""
     from transformers import Qwen2_5_VLForConditionalGeneration

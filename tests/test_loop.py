@@ -81,7 +81,7 @@ def test_batched_vision_attention_trains_the_same(assets, tmp_path, monkeypatch)
     (float32 on the CPU; the same per-window arithmetic, batched), and the batched path ran."""
     from tests.models.test_vision_attention import spy_batching
 
-    per_window = train(_config(assets, tmp_path / "per_chunk", 2))
+    per_window = train(_config(assets, tmp_path / "per_chunk", 2, **{"model.vision_attention": "per_chunk"}))
     counts = spy_batching(monkeypatch)
     batched = train(_config(assets, tmp_path / "batched", 2, **{"model.vision_attention": "batched"}))
     assert counts["layers"] > 0 and counts["sdpa"] == counts["buckets"]

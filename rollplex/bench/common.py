@@ -34,7 +34,7 @@ class Workload:
     text_tokens: int = 400
     grid: tuple[int, int, int] = (16, 20, 44)  # 32 frames of 280×616 px: 3,520 video tokens
     dtype: str = "bfloat16"
-    vision_attention: str = "per_chunk"  # model.vision_attention
+    vision_attention: str = "batched"  # model.vision_attention
 
 
 def bench_device(preset: str) -> torch.device:
@@ -54,7 +54,7 @@ def bench_device(preset: str) -> torch.device:
 
 
 def random_model(
-    preset: str, device: torch.device, dtype: torch.dtype, seed: int = 0, vision_attention: str = "per_chunk"
+    preset: str, device: torch.device, dtype: torch.dtype, seed: int = 0, vision_attention: str = "batched"
 ):
     """Preset ``preset`` with random weights built directly on ``device``, routed through rollplex
     attention (``prepare_model``), in inference mode (dropout off)."""

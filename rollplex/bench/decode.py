@@ -22,6 +22,7 @@ import torch
 from rollplex.bench.common import PromptShape, Workload, bench_device, random_model, synthetic_prompt
 from rollplex.models.forward import prefix_forward
 from rollplex.models.presets import vision_special_ids
+from rollplex.rollout.decode import DecodeRecord, StaticDecoder
 from rollplex.rollout.engine import SamplingParams, generate
 
 VARIANTS = {
@@ -132,10 +133,10 @@ def run_decode_bench(cfg: DecodeBenchConfig, out: Path | None = None) -> DecodeB
         }
         print(f"  {name}: {per_step * 1e3:.3f} ms/step, {per_step / roofline:.2f}x roofline", flush=True)
     if cfg.profile_steps:
-        options = {k: v for k, v in VARIANTS[cfg.variants[-1]].items() if k != "cuda_graphs"}
-        table = profile_steps(
-            model, prefix, cfg.group_size, cfg.response_tokens, cfg.profile_steps, banned, **options
+        params = SamplingParams(
+            1.0, 1.0, 0, cfg.response_tokens, (-1,), 0, banned, **VARIANTS[cfg.variants[-1]]
         )
+        table = profile_steps(model, prefix, cfg.group_size, params, cfg.profile_steps)
         print(table)
         if out is not None:
             out.with_suffix(".profile.txt").write_text(table)
@@ -146,27 +147,31 @@ def run_decode_bench(cfg: DecodeBenchConfig, out: Path | None = None) -> DecodeB
     return result
 
 
-def profile_steps(
-    model, prefix, group_size: int, budget: int, steps: int, banned_ids: torch.Tensor, **decoder_options
-) -> str:
-    """torch.profiler table (top 30 by device time) of ``steps`` decode steps — the CUDA-graph replay
-    and the sampling of the next token (temperature 1, ``banned_ids`` int64 [k] never drawn), as
-    rollout runs them — at response positions spread over the budget. ``decoder_options``:
-    ``StaticDecoder``'s compile, attention, fused_projections (the bench profiles its last variant)."""
+def profile_steps(model, prefix, group_size: int, params: SamplingParams, steps: int) -> str:
+    """torch.profiler table (top 30 by device time) of about ``steps`` decode steps as rollout runs
+    them — whole CUDA-graph replays of ``eos_check_every`` steps, each step the forward, the sampling of
+    the next token and its recording — taken from the middle of the budget (the mean own-key length)."""
     from torch.profiler import ProfilerActivity, profile
 
-    from rollplex.rollout.decode import StaticDecoder
-    from rollplex.rollout.sampler import sample_tokens
-
-    decoder = StaticDecoder(model, prefix, group_size, budget, graphs=True, **decoder_options)
+    rows, device = prefix.num_groups * group_size, prefix.last_logprobs.device
+    record = DecodeRecord.empty(rows, params, device, prefix.last_logprobs.dtype)
+    token = torch.zeros(rows, dtype=torch.long, device=device)
+    decoder = StaticDecoder(model, prefix, group_size, params, record, token)
     decoder.capture()
-    token = torch.zeros(prefix.num_groups * group_size, dtype=torch.long, device=prefix.last_logprobs.device)
-    positions = [int(i * (budget - 2) / max(1, steps - 1)) for i in range(steps)]
+    replays = min(decoder.replays_total, max(1, -(-steps // decoder.steps_per_replay)))
+    first = (decoder.replays_total - replays) // 2
+    for _ in range(first):
+        decoder.advance()
+    torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        for step in positions:
-            token, _ = sample_tokens(decoder.step(token, step), temperature=1.0, banned_ids=banned_ids)
+        for _ in range(replays):
+            decoder.advance()
         torch.cuda.synchronize()
-    return prof.key_averages().table(sort_by="cuda_time_total", row_limit=30, max_name_column_width=70)
+    table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=30, max_name_column_width=70)
+    profiled = replays * decoder.steps_per_replay
+    return (
+        f"{profiled} decode steps from step {first * decoder.steps_per_replay} ({replays} replays)\n{table}"
+    )
 
 
 class _NoText:

@@ -37,7 +37,7 @@ from rollplex.rollout.sampler import token_logprobs
 from rollplex.types import PrefixState, Prompt
 
 
-def prepare_model(model, vision_attention: str = "per_chunk") -> None:
+def prepare_model(model, vision_attention: str = "batched") -> None:
     """Route the language model's attention through rollplex; the vision tower's windows and frames
     through ``models.attention.chunked_attention``, one SDPA call per distinct chunk length
     (``batched``), or through the backend transformers chose when the model was built, one call per

@@ -29,6 +29,7 @@ import torch.nn.functional as F
 
 from rollplex.config import DECODE_ATTENTION
 from rollplex.rollout.decode_kernel import fused_decode_attention, supports
+from rollplex.rollout.sampler import race_tokens, sample_tokens
 from rollplex.types import PrefixState
 
 log = logging.getLogger(__name__)
@@ -201,27 +202,144 @@ ATTENTION_BACKENDS = DECODE_ATTENTION
 EAGER_LAYER_FNS = (layer_qkv, layer_out, layer_post)
 
 
+@dataclass(frozen=True)
+class SamplingParams:
+    """Decoding settings.
+
+    Fields: temperature (0 = greedy), top_p in (0, 1], top_k (0 = off), max_tokens R (response budget),
+    eos_ids (any of them ends a response), pad_id (fills finished rows), banned_ids int64 [k],
+    eos_check_every (decode steps per CUDA-graph replay; the host checks "every row finished" once
+    per replay), cuda_graphs (replay the decode steps as CUDA graphs), compile (torch.compile the step
+    before capture), graph_window (own-key window granularity of the captured steps, tokens),
+    attention (decode attention backend, "auto", "dense" or "triton"; ``StaticDecoder``),
+    fused_projections (one q/k/v and one gate/up product per layer from concatenated weight copies).
+    """
+
+    temperature: float
+    top_p: float
+    top_k: int
+    max_tokens: int
+    eos_ids: tuple[int, ...]
+    pad_id: int
+    banned_ids: torch.Tensor
+    eos_check_every: int = 16
+    cuda_graphs: bool = True
+    compile: bool = False
+    graph_window: int = 128
+    attention: str = "auto"
+    fused_projections: bool = False
+
+    @classmethod
+    def from_config(
+        cls, rollout, eos_ids: tuple[int, ...], pad_id: int, banned_ids: torch.Tensor
+    ) -> SamplingParams:
+        """Settings of a ``RolloutConfig`` (config.rollout) with the model's special ids."""
+        return cls(
+            rollout.temperature,
+            rollout.top_p,
+            rollout.top_k,
+            rollout.max_response_tokens,
+            eos_ids,
+            pad_id,
+            banned_ids,
+            cuda_graphs=rollout.cuda_graphs,
+            compile=rollout.compile_decode,
+            graph_window=rollout.graph_window,
+            attention=rollout.decode_attention,
+            fused_projections=rollout.fused_projections,
+        )
+
+    def sample(self, logits: torch.Tensor, generator=None, race=None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(tokens int64 [B], log-probs float32 [B]) of logits [B, V] under these settings
+        (rollout.sampler.sample_tokens, ``race`` as there); no host synchronisation, so it can be
+        captured."""
+        return sample_tokens(
+            logits,
+            temperature=self.temperature,
+            top_p=self.top_p,
+            top_k=self.top_k,
+            banned_ids=self.banned_ids,
+            generator=generator,
+            race=race,
+        )
+
+
+def decode_steps(params: SamplingParams) -> tuple[int, int]:
+    """(replays, steps) of the decode loop at most: the R − 1 tokens after the first one, in whole
+    replays of K = ``eos_check_every`` steps (the last replay may run past R; those positions are
+    never read)."""
+    per_replay = max(1, params.eos_check_every)
+    replays = -(-max(0, params.max_tokens - 1) // per_replay)
+    return replays, replays * per_replay
+
+
+@dataclass
+class DecodeRecord:
+    """What rollout records, in static device buffers written by the decode steps themselves.
+
+    Fields: responses int64 [B, W] (``pad_id`` after a row's end), logprobs float32 [B, W] (0 after a
+    row's end), lengths int64 [B] (R until the row samples an EOS id), done bool [B]; W >= R columns,
+    the ones from R on are scratch for steps past the budget and are never read. ``eos`` int64 [k].
+    """
+
+    responses: torch.Tensor
+    logprobs: torch.Tensor
+    lengths: torch.Tensor
+    done: torch.Tensor
+    eos: torch.Tensor
+    pad_id: int
+    budget: int
+
+    @classmethod
+    def empty(cls, rows: int, params: SamplingParams, device, dtype) -> DecodeRecord:
+        """Buffers of ``rows`` rows, wide enough for every step ``decode_steps`` allows; nothing
+        recorded yet."""
+        width = max(params.max_tokens, decode_steps(params)[1] + 1)
+        return cls(
+            responses=torch.full((rows, width), params.pad_id, dtype=torch.long, device=device),
+            logprobs=torch.zeros(rows, width, dtype=dtype, device=device),
+            lengths=torch.full((rows,), params.max_tokens, dtype=torch.long, device=device),
+            done=torch.zeros(rows, dtype=torch.bool, device=device),
+            eos=torch.tensor(params.eos_ids, dtype=torch.long, device=device),
+            pad_id=params.pad_id,
+            budget=params.max_tokens,
+        )
+
+    def write(self, token: torch.Tensor, logprob: torch.Tensor, position: torch.Tensor) -> None:
+        """Record tokens int64 [B] and their log-probs [B] at response position ``position`` (int64 [1],
+        on the device): finished rows get pad / 0; a row whose token is an EOS id at a position < R
+        ends there (length = position + 1). Device ops only (capturable)."""
+        self.responses.index_copy_(1, position, torch.where(self.done, self.pad_id, token)[:, None])
+        self.logprobs.index_copy_(1, position, torch.where(self.done, 0.0, logprob)[:, None])
+        is_eos = (token[:, None] == self.eos[None, :]).any(dim=-1)
+        finished = ~self.done & is_eos & (position < self.budget)
+        self.lengths.copy_(torch.where(finished, position + 1, self.lengths))
+        self.done.logical_or_(finished)
+
+
 class StaticDecoder:
-    """Decode steps of one rollout over static buffers; CUDA-graph replay on CUDA.
+    """The rollout's decode loop on the device, over static buffers.
+
+    One decode step: the forward of each row's current token (its keys/values go into the cache),
+    sampling of the next token on the device (``SamplingParams.sample``) and recording it
+    (``DecodeRecord.write``). ``advance()`` runs ``eos_check_every`` steps; on CUDA with graphs they
+    are one CUDA-graph replay (one graph per own-key window), so no host work happens per token.
+    Steps are counted on the device: step s consumes the token at response position s and records
+    position s + 1.
 
     Args:
         model: ``Qwen2_5_VLForConditionalGeneration`` (its language model and LM head are used).
         prefix: detached rollout prefix of the G groups (boundary KV [G, Hkv, P, D] per layer).
-        group_size: N. budget: R, the largest number of tokens decoded per row.
-        graphs: capture and replay CUDA graphs (CUDA only).
-        compile: compile the layer function with torch.compile before capture (CUDA only; falls back to
-            the eager function with a warning if compilation fails).
-        window: own-key window granularity in tokens.
-        attention: "dense" (``decode_attention``), "triton" (rollout.decode_kernel, fused; CUDA, or
-            the CPU under ``TRITON_INTERPRET=1``) or "auto" (triton on CUDA where Triton is installed and
-            the kernel supports the heads, else dense).
-        fused_projections: one q/k/v and one gate/up product per layer, from concatenated copies of
-            the weights taken here (``_layer_tensors``).
+        group_size: N. params: budget R, sampling and decode options (``SamplingParams``).
+        record: the buffers the steps write, at least ``steps_total + 1`` columns wide.
+        generator: device generator of the sampling (None: the default one); on CUDA with graphs it is
+            registered with every captured graph, so replays draw the numbers eager steps would.
+        token: int64 [B], the token at response position 0 (sampled from the prefix).
 
     Raises:
         ValueError: the model's MLP activation is not SiLU (the only one Qwen2.5-VL uses), sliding-
-            window attention is on (the step attends to every key), or an unknown or unavailable
-            attention backend.
+            window attention is on (the step attends to every key), an unknown or unavailable
+            attention backend, or a record narrower than the steps need.
     """
 
     def __init__(
@@ -229,13 +347,10 @@ class StaticDecoder:
         model,
         prefix: PrefixState,
         group_size: int,
-        budget: int,
-        *,
-        graphs: bool = False,
-        compile: bool = False,
-        window: int = 128,
-        attention: str = "auto",
-        fused_projections: bool = False,
+        params: SamplingParams,
+        record: DecodeRecord,
+        token: torch.Tensor,
+        generator: torch.Generator | None = None,
     ):
         lm = model.model.language_model
         config = lm.config
@@ -243,7 +358,12 @@ class StaticDecoder:
             raise ValueError(f"decode supports hidden_act 'silu', got {config.hidden_act!r}")
         if getattr(config, "use_sliding_window", False):
             raise ValueError("decode attends to every key; the model config has use_sliding_window on")
-        first_attention = lm.layers[0].self_attn
+        self.steps_per_replay = max(1, params.eos_check_every)
+        self.replays_total, self.steps_total = decode_steps(params)
+        if record.responses.shape[1] < self.steps_total + 1:
+            raise ValueError(
+                f"decode record has {record.responses.shape[1]} columns, needs {self.steps_total + 1}"
+            )
         keys = prefix.keys[0]
         self.shape = DecodeShape(
             groups=keys.shape[0],
@@ -251,18 +371,19 @@ class StaticDecoder:
             heads=config.num_attention_heads,
             kv_heads=keys.shape[1],
             head_dim=keys.shape[3],
-            budget=budget,
-            scaling=float(first_attention.scaling),
+            budget=max(1, self.steps_total),
+            scaling=float(lm.layers[0].self_attn.scaling),
             eps=float(lm.layers[0].input_layernorm.variance_epsilon),
         )
-        self.model, self.prefix = model, prefix
-        self.weights = [_layer_tensors(layer, fused_projections) for layer in lm.layers]
+        self.model, self.prefix, self.params, self.record = model, prefix, params, record
+        self.generator = generator
+        self.weights = [_layer_tensors(layer, params.fused_projections) for layer in lm.layers]
         self.inv_freq, self.rope_scale = lm.rotary_emb.inv_freq, float(lm.rotary_emb.attention_scaling)
         rows, device = self.shape.rows, keys.device
-        cache_shape = (rows, self.shape.kv_heads, budget, self.shape.head_dim)
+        cache_shape = (rows, self.shape.kv_heads, self.shape.budget, self.shape.head_dim)
         self.cache_k = [torch.zeros(cache_shape, dtype=keys.dtype, device=device) for _ in self.weights]
         self.cache_v = [torch.zeros(cache_shape, dtype=keys.dtype, device=device) for _ in self.weights]
-        self.token = torch.zeros(rows, dtype=torch.long, device=device)
+        self.token = token.to(device=device, dtype=torch.long).clone()
         self.step_index = torch.zeros(1, dtype=torch.long, device=device)
         self.first_position = prefix.next_position.repeat_interleave(group_size)
         self.prompt_lens_i32 = prefix.prompt_lens.to(torch.int32)
@@ -271,18 +392,26 @@ class StaticDecoder:
         self.prefix_bias = torch.zeros(rows, p, device=device).masked_fill(
             pad.repeat_interleave(group_size, 0), NEG_INF
         )
-        self.window = max(1, min(window, budget))
+        self.window = max(1, min(params.graph_window, self.shape.budget))
         use_cuda = device.type == "cuda"
-        self.attention = _check_attention(attention, device, self.shape)
+        self.attention = _check_attention(params.attention, device, self.shape)
         self.layer_fns: tuple[Callable, Callable, Callable] = EAGER_LAYER_FNS
-        if compile and use_cuda:
-            self.layer_fns = _compiled_layer()
-        self.use_graphs = graphs and use_cuda
-        self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.race: Callable = race_tokens
+        if params.compile and use_cuda:
+            self.layer_fns, self.race = _compiled_layer(), _compiled_race()
+        self.use_graphs = params.cuda_graphs and use_cuda
+        self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.replays = 0
+        self.steps_done = 0  # host count; a multiple of steps_per_replay with graphs
 
     def own_window(self, step: int) -> int:
-        """Own-key window L for the token at ``step``: the smallest multiple of ``window`` > step (≤ R)."""
+        """Own-key window L for the token at ``step``: the smallest multiple of ``window`` > step (≤ the
+        cache length)."""
         return min(self.shape.budget, (step // self.window + 1) * self.window)
+
+    def replay_window(self, replay: int) -> int:
+        """Own-key window of every step of replay ``replay``: that of its last step (windows only grow)."""
+        return self.own_window((replay + 1) * self.steps_per_replay - 1)
 
     def _forward(self, length: int) -> torch.Tensor:
         """Logits [B, V] of the token in ``self.token`` at response position ``self.step_index``."""
@@ -295,16 +424,16 @@ class StaticDecoder:
         for i, weights in enumerate(self.weights):
             q, k, v = qkv(hidden, cos, sin, weights, s)
             own_k, own_v = self.cache_k[i][:, :, :length], self.cache_v[i][:, :, :length]
-            own_k.index_copy_(2, self.step_index, k[:, :, None])
-            own_v.index_copy_(2, self.step_index, v[:, :, None])
             keys, values = self.prefix.keys[i], self.prefix.values[i]
-            if self.attention == "triton":
+            if self.attention == "triton":  # the kernel writes k, v into the cache slot itself
                 lens, step = self.prompt_lens_i32, self.step_index
                 attention = fused_decode_attention(
-                    q, keys, values, lens, own_k, own_v, step, s.scaling, s.group_size
+                    q, keys, values, lens, own_k, own_v, k, v, step, s.scaling, s.group_size
                 )
                 hidden = post(hidden, attention, weights, s)
             else:
+                own_k.index_copy_(2, self.step_index, k[:, :, None])
+                own_v.index_copy_(2, self.step_index, v[:, :, None])
                 hidden = out(hidden, q, keys, values, own_k, own_v, bias, weights, s)
         return self.model.lm_head(lm.norm(hidden))
 
@@ -315,23 +444,37 @@ class StaticDecoder:
         own_bias = torch.where(own, 0.0, NEG_INF).expand(self.shape.rows, -1)
         return torch.cat([self.prefix_bias, own_bias], dim=1)[:, None, None, :]
 
+    def _step(self, length: int) -> None:
+        """One decode step on the device: forward, sample, record position step + 1, advance."""
+        token, logprob = self.params.sample(self._forward(length), self.generator, self.race)
+        self.step_index += 1
+        self.record.write(token, logprob, self.step_index)
+        self.token.copy_(token)
+
     @torch.no_grad()
     def capture(self) -> None:
-        """Warm up and capture one CUDA graph per own-key window (no-op without graphs). Call before
-        other threads put work on the device: capture must not interleave with their allocations.
+        """Warm up and capture one CUDA graph of ``steps_per_replay`` steps per own-key window (no-op
+        without graphs). Call before other threads put work on the device: capture must not
+        interleave with their allocations.
 
         Graphs are captured on a stream of the current stream's priority: PyTorch instantiates graphs
         with per-node priorities, so replayed kernels keep the priority of the stream they were
-        captured on (not the one they are replayed on)."""
-        if not self.use_graphs:
+        captured on (not the one they are replayed on). Warm-up runs the forward only (it overwrites
+        cache slot 0, which step 0 writes again) and draws no random numbers.
+
+        Raises:
+            RuntimeError: this torch cannot register a generator with a CUDA graph.
+        """
+        if not self.use_graphs or self.replays_total == 0:
             return
-        lengths = sorted({self.own_window(step) for step in range(self.shape.budget)})
+        lengths = sorted({self.replay_window(r) for r in range(self.replays_total)})
         current = torch.cuda.current_stream(self.token.device)
         warm = torch.cuda.Stream(self.token.device, priority=current.priority)
         warm.wait_stream(current)
         with torch.cuda.stream(warm):
             for length in lengths:  # compilation, cuBLAS handles and workspaces happen here
-                self._forward_or_eager(length)
+                logits = self._forward_or_eager(length)
+            self._warm_race(logits)
         warm.synchronize()
         # capture_begin/end rather than torch.cuda.graph, which empties the allocator's cache per capture;
         # one fresh pool per rollout, shared by its windows (a pool id reused after its graphs are freed
@@ -340,13 +483,18 @@ class StaticDecoder:
         with torch.cuda.stream(warm):
             for length in lengths:
                 graph = torch.cuda.CUDAGraph()
+                if self.generator is not None:
+                    if not hasattr(graph, "register_generator_state"):
+                        raise RuntimeError("capturing sampling with a generator needs torch >= 2.5")
+                    graph.register_generator_state(self.generator)
                 graph.capture_begin(pool=pool)
                 try:
-                    logits = self._forward(length)
+                    for _ in range(self.steps_per_replay):
+                        self._step(length)
                 finally:
                     graph.capture_end()
                 pool = graph.pool()
-                self._graphs[length] = (graph, logits)
+                self._graphs[length] = graph
         current.wait_stream(warm)
 
     def _forward_or_eager(self, length: int) -> torch.Tensor:
@@ -360,27 +508,53 @@ class StaticDecoder:
             self.layer_fns = EAGER_LAYER_FNS
             return self._forward(length)
 
+    def _warm_race(self, logits: torch.Tensor) -> None:
+        """Compile the sampling race before capture, on noise of ones (no random numbers drawn); a
+        compiler failure falls back to the eager race with a warning."""
+        p = self.params
+        noise = None if p.temperature == 0 else torch.ones_like(logits, dtype=torch.float32)
+        try:
+            self.race(
+                logits,
+                noise,
+                temperature=p.temperature,
+                banned_ids=p.banned_ids,
+                top_p=p.top_p,
+                top_k=p.top_k,
+            )
+        except Exception as err:  # noqa: BLE001 - any compiler failure leaves a working eager path
+            if self.race is race_tokens:
+                raise
+            log.warning("compiled sampling failed (%s: %s); using the eager race", type(err).__name__, err)
+            self.race = race_tokens
+
     @torch.no_grad()
-    def step(self, token: torch.Tensor, step: int) -> torch.Tensor:
-        """Logits [B, V] (model dtype) of the next token after ``token`` (int64 [B]) at response
-        position ``step``; writes the token's keys/values into the cache.
+    def advance(self) -> int:
+        """Run the next ``steps_per_replay`` decode steps (fewer for the last replay without graphs);
+        returns the number of steps run so far. Queues device work only.
 
         Raises:
-            RuntimeError: graphs are on and ``capture()`` has not run (capturing here, possibly while
-                another thread uses the device, is never done implicitly).
+            RuntimeError: every replay has run, or graphs are on and ``capture()`` has not run
+                (capturing here, possibly while another thread uses the device, is never done
+                implicitly).
         """
-        self.token.copy_(token)
-        self.step_index.fill_(step)
-        length = self.own_window(step)
+        if self.replays >= self.replays_total:
+            raise RuntimeError(f"all {self.replays_total} decode replays have run")
+        length = self.replay_window(self.replays)
         if self.use_graphs:
             if length not in self._graphs:
                 raise RuntimeError(
                     f"no captured decode graph for own-key window {length}: call capture() first"
                 )
-            graph, logits = self._graphs[length]
-            graph.replay()
-            return logits
-        return self._forward(length)
+            self._graphs[length].replay()
+            steps = self.steps_per_replay
+        else:
+            steps = min(self.steps_per_replay, self.params.max_tokens - 1 - self.steps_done)
+            for _ in range(steps):
+                self._step(length)
+        self.replays += 1
+        self.steps_done += steps
+        return self.steps_done
 
 
 _COMPILED: tuple[Callable, Callable, Callable] | None = None
@@ -395,6 +569,18 @@ def _compiled_layer() -> tuple[Callable, Callable, Callable]:
     if _COMPILED is None:
         _COMPILED = (torch.compile(layer_qkv), torch.compile(layer_out), torch.compile(layer_post))
     return _COMPILED
+
+
+_COMPILED_RACE: Callable | None = None
+
+
+def _compiled_race() -> Callable:
+    """``rollout.sampler.race_tokens`` under torch.compile, built once per process: the log-softmax,
+    race and gather of a step in a few fused kernels instead of one pass over [B, V] per operation."""
+    global _COMPILED_RACE
+    if _COMPILED_RACE is None:
+        _COMPILED_RACE = torch.compile(race_tokens)
+    return _COMPILED_RACE
 
 
 def _check_attention(name: str, device: torch.device, shape: DecodeShape) -> str:

@@ -91,16 +91,16 @@ def _store(m_out, l_out, acc_out, at, acc_at, d, m, s_sum, acc, valid_q):
 
 
 @_jit
-def _prefix_partials(
-    q, pk, pv, lens, m_out, l_out, acc_out,
+def _prefix_program(
+    pid, q, pk, pv, lens, m_out, l_out, acc_out,
     sq_b, sq_h, spk_g, spk_h, spk_p, spv_g, spv_h, spv_p,
     so_s, so_b, so_h, sa_s, sa_b, sa_h,
-    scale, N: tl.constexpr, REP: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr,
+    splits, scale, N: tl.constexpr, REP: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr,
     NQ: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr,
 ):  # fmt: skip
-    """Program (group·Hkv + kv head, chunk): the group's N·rep queries of one kv head against one chunk of
-    its boundary keys."""
-    gk, split = tl.program_id(0).to(tl.int64), tl.program_id(1).to(tl.int64)
+    """Program (group·Hkv + kv head)·splits + chunk: the group's N·rep queries of one kv head against
+    one chunk of its boundary keys."""
+    gk, split = pid // splits, pid % splits
     g, k = gk // HKV, gk % HKV
     iq, d = tl.arange(0, NQ), tl.arange(0, D)
     valid_q = iq < N * REP
@@ -115,28 +115,62 @@ def _prefix_partials(
 
 
 @_jit
-def _own_partials(
-    q, ok, ov, step, m_out, l_out, acc_out,
-    sq_b, sq_h, sok_b, sok_h, sok_l, sov_b, sov_h, sov_l,
+def _own_program(
+    pid, q, ok, ov, nk, nv, step, m_out, l_out, acc_out,
+    sq_b, sq_h, sok_b, sok_h, sok_l, sov_b, sov_h, sov_l, snk_b, snk_h, snv_b, snv_h,
     so_s, so_b, so_h, sa_s, sa_b, sa_h,
-    first_split, scale, REP: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, NQ: tl.constexpr,
-    CHUNK: tl.constexpr, BLOCK: tl.constexpr,
+    first_split, own_chunks, scale, REP: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr,
+    NQ: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr,
 ):  # fmt: skip
-    """Program (row·Hkv + kv head, chunk): the row's rep queries of one kv head against one chunk of its
-    own keys 0..step (a chunk past the step stores an empty partial)."""
-    bk, chunk = tl.program_id(0).to(tl.int64), tl.program_id(1).to(tl.int64)
+    """Program (row·Hkv + kv head)·own_chunks + chunk: the row's rep queries of one kv head against one
+    chunk of its own keys 0..step (a chunk past the step stores an empty partial). The program whose
+    chunk holds the step first writes the step's key and value (nk, nv) into the cache slot."""
+    bk, chunk = pid // own_chunks, pid % own_chunks
     b, k = bk // HKV, bk % HKV
     split = first_split + chunk
     iq, d = tl.arange(0, NQ), tl.arange(0, D)
     valid_q = iq < REP
     h = k * REP + iq
     qb = tl.load(q + b * sq_b + h[:, None] * sq_h + d[None, :], mask=valid_q[:, None], other=0.0)
-    lo = chunk * CHUNK
-    hi = tl.minimum(lo + CHUNK, tl.load(step) + 1)
+    lo, now = chunk * CHUNK, tl.load(step)
     k_base, v_base = ok + b * sok_b + k * sok_h, ov + b * sov_b + k * sov_h
+    if (now >= lo) & (now < lo + CHUNK):
+        tl.store(k_base + now * sok_l + d, tl.load(nk + b * snk_b + k * snk_h + d))
+        tl.store(v_base + now * sov_l + d, tl.load(nv + b * snv_b + k * snv_h + d))
+        tl.debug_barrier()  # the block's own stores are visible to its loads below
+    hi = tl.minimum(lo + CHUNK, now + 1)
     m, s_sum, acc = _attend_range(qb, k_base, v_base, sok_l, sov_l, lo, hi, d, scale, NQ, D, BLOCK)
     at = split * so_s + b * so_b + h * so_h
     _store(m_out, l_out, acc_out, at, split * sa_s + b * sa_b + h * sa_h, d, m, s_sum, acc, valid_q)
+
+
+@_jit
+def _partials(
+    q, pk, pv, lens, ok, ov, nk, nv, step, m_out, l_out, acc_out,
+    sq_b, sq_h, spk_g, spk_h, spk_p, spv_g, spv_h, spv_p,
+    sok_b, sok_h, sok_l, sov_b, sov_h, sov_l, snk_b, snk_h, snv_b, snv_h,
+    so_s, so_b, so_h, sa_s, sa_b, sa_h,
+    prefix_programs, splits, own_chunks, scale,
+    N: tl.constexpr, REP: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, NQ_PREFIX: tl.constexpr,
+    NQ_OWN: tl.constexpr, PREFIX_CHUNK_: tl.constexpr, OWN_CHUNK_: tl.constexpr, BLOCK: tl.constexpr,
+):  # fmt: skip
+    """One launch for both kinds of partials: programs 0..prefix_programs-1 are prefix programs, the
+    rest own-key programs (so the two bandwidth-bound halves share the device instead of queueing)."""
+    pid = tl.program_id(0).to(tl.int64)
+    if pid < prefix_programs:
+        _prefix_program(
+            pid, q, pk, pv, lens, m_out, l_out, acc_out,
+            sq_b, sq_h, spk_g, spk_h, spk_p, spv_g, spv_h, spv_p,
+            so_s, so_b, so_h, sa_s, sa_b, sa_h,
+            splits, scale, N, REP, HKV, D, NQ_PREFIX, PREFIX_CHUNK_, BLOCK,
+        )  # fmt: skip
+    else:
+        _own_program(
+            pid - prefix_programs, q, ok, ov, nk, nv, step, m_out, l_out, acc_out,
+            sq_b, sq_h, sok_b, sok_h, sok_l, sov_b, sov_h, sov_l, snk_b, snk_h, snv_b, snv_h,
+            so_s, so_b, so_h, sa_s, sa_b, sa_h,
+            splits, own_chunks, scale, REP, HKV, D, NQ_OWN, OWN_CHUNK_, BLOCK,
+        )  # fmt: skip
 
 
 @_jit
@@ -164,17 +198,22 @@ def fused_decode_attention(
     prefix_lens: torch.Tensor,
     own_k: torch.Tensor,
     own_v: torch.Tensor,
+    new_k: torch.Tensor,
+    new_v: torch.Tensor,
     step: torch.Tensor,
     scaling: float,
     group_size: int,
 ) -> torch.Tensor:
-    """Attention of one query per row over [its group's boundary KV ; its own keys 0..step].
+    """Write the step's key/value into the cache, then attend: one query per row over [its group's
+    boundary KV ; its own keys 0..step].
 
     Args:
         q: [B, H, D], contiguous, after RoPE. prefix_k/prefix_v: [G, Hkv, P, D] (last dim contiguous).
         prefix_lens: int32 [G]; keys at index >= prefix_lens[g] are padding. own_k/own_v: [B, Hkv, L, D]
-            views of the cache (last dim contiguous). step: int64 [1], own keys 0..step are valid.
-        scaling: softmax scale. group_size: N.
+            views of the cache (last dim contiguous); slot ``step`` is overwritten with new_k/new_v.
+        new_k/new_v: [B, Hkv, D] (last dim contiguous), the step's key (after RoPE) and value.
+        step: int64 [1], own keys 0..step are valid after the write. scaling: softmax scale.
+        group_size: N.
 
     Returns:
         [B, H·D] in the dtype of ``q`` (softmax statistics and accumulation in float32).
@@ -186,23 +225,21 @@ def fused_decode_attention(
     """
     b, h, d = q.shape
     g, hkv, p = prefix_k.shape[:3]
-    _check_inputs(q, prefix_k, prefix_v, prefix_lens, own_k, own_v, step, group_size)
+    _check_inputs(q, prefix_k, prefix_v, prefix_lens, own_k, own_v, new_k, new_v, step, group_size)
     rep, splits = h // hkv, math.ceil(p / PREFIX_CHUNK)
     own_chunks = math.ceil(own_k.shape[2] / OWN_CHUNK)
     m = torch.empty(splits + own_chunks, b, h, device=q.device, dtype=torch.float32)
     l_ = torch.empty_like(m)
     acc = torch.empty(splits + own_chunks, b, h, d, device=q.device, dtype=torch.float32)
-    common = (*m.stride(), *acc.stride()[:3])
-    _prefix_partials[(g * hkv, splits)](
-        q, prefix_k, prefix_v, prefix_lens, m, l_, acc,
-        q.stride(0), q.stride(1), *prefix_k.stride()[:3], *prefix_v.stride()[:3], *common,
-        scaling, N=group_size, REP=rep, HKV=hkv, D=d, NQ=_pow2(group_size * rep), CHUNK=PREFIX_CHUNK,
-        BLOCK=BLOCK_KEYS,
-    )  # fmt: skip
-    _own_partials[(b * hkv, own_chunks)](
-        q, own_k, own_v, step, m, l_, acc,
-        q.stride(0), q.stride(1), *own_k.stride()[:3], *own_v.stride()[:3], *common,
-        splits, scaling, REP=rep, HKV=hkv, D=d, NQ=_pow2(rep), CHUNK=OWN_CHUNK, BLOCK=BLOCK_KEYS,
+    prefix_programs = g * hkv * splits
+    _partials[(prefix_programs + b * hkv * own_chunks,)](
+        q, prefix_k, prefix_v, prefix_lens, own_k, own_v, new_k, new_v, step, m, l_, acc,
+        q.stride(0), q.stride(1), *prefix_k.stride()[:3], *prefix_v.stride()[:3],
+        *own_k.stride()[:3], *own_v.stride()[:3], *new_k.stride()[:2], *new_v.stride()[:2],
+        *m.stride(), *acc.stride()[:3],
+        prefix_programs, splits, own_chunks, scaling,
+        N=group_size, REP=rep, HKV=hkv, D=d, NQ_PREFIX=_pow2(group_size * rep), NQ_OWN=_pow2(rep),
+        PREFIX_CHUNK_=PREFIX_CHUNK, OWN_CHUNK_=OWN_CHUNK, BLOCK=BLOCK_KEYS,
     )  # fmt: skip
     out = torch.empty(b, h * d, device=q.device, dtype=q.dtype)
     parts = splits + own_chunks
@@ -210,7 +247,9 @@ def fused_decode_attention(
     return out
 
 
-def _check_inputs(q, prefix_k, prefix_v, prefix_lens, own_k, own_v, step, group_size: int) -> None:
+def _check_inputs(
+    q, prefix_k, prefix_v, prefix_lens, own_k, own_v, new_k, new_v, step, group_size: int
+) -> None:
     """Shapes, strides, dtypes and devices the kernels assume (metadata only: safe under capture)."""
     if triton is None:
         raise ImportError("the fused decode attention needs Triton (installed with the CUDA builds of torch)")
@@ -223,11 +262,15 @@ def _check_inputs(q, prefix_k, prefix_v, prefix_lens, own_k, own_v, step, group_
         problems.append(f"B = G·N and matching prefix keys/values (B {b}, G {g}, N {group_size})")
     if own_k.shape[:2] != (b, hkv) or own_k.shape[3] != d or own_v.shape != own_k.shape:
         problems.append(f"own keys/values of shape [B, Hkv, L, D], got {tuple(own_k.shape)}")
-    if any(t.stride(-1) != 1 for t in (q, prefix_k, prefix_v, own_k, own_v)):
+    if new_k.shape != (b, hkv, d) or new_v.shape != new_k.shape:
+        problems.append(f"the step's key/value of shape [B, Hkv, D], got {tuple(new_k.shape)}")
+    if any(t.stride(-1) != 1 for t in (q, prefix_k, prefix_v, own_k, own_v, new_k, new_v)):
         problems.append("a contiguous last (head) dimension in q and every key/value tensor")
+    if new_k.dtype != own_k.dtype or new_v.dtype != own_v.dtype:
+        problems.append("the step's key/value in the cache's dtype")
     if prefix_lens.dtype != torch.int32 or prefix_lens.shape != (g,) or step.dtype != torch.int64:
         problems.append("prefix_lens int32 [G] and step int64 [1]")
-    if any(t.device != q.device for t in (prefix_k, prefix_v, own_k, own_v, prefix_lens, step)):
+    if any(t.device != q.device for t in (prefix_k, prefix_v, own_k, own_v, new_k, new_v, prefix_lens, step)):
         problems.append(f"every tensor on {q.device}")
     if problems:
         raise ValueError("fused decode attention needs " + "; ".join(problems))

@@ -18,78 +18,63 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 import torch
 
-from rollplex.rollout.decode import StaticDecoder
-from rollplex.rollout.sampler import sample_tokens
+from rollplex.rollout.decode import DecodeRecord, SamplingParams, StaticDecoder
 from rollplex.types import DecodeTimeline, PrefixState, Prompt, RolloutBatch
 
 
-@dataclass(frozen=True)
-class SamplingParams:
-    """Decoding settings.
+class _DecodeClock:
+    """The decode timeline's marks without a host synchronisation per mark: CUDA events on the decode
+    stream, converted to host seconds once decode has ended (on the CPU, the host clock at the mark)."""
 
-    Fields: temperature (0 = greedy), top_p in (0, 1], top_k (0 = off), max_tokens R (response budget),
-    eos_ids (any of them ends a response), pad_id (fills finished rows), banned_ids int64 [k],
-    eos_check_every (tokens between host checks for "every row finished"), cuda_graphs (replay the
-    decode step as CUDA graphs), compile (torch.compile the step before capture), graph_window (own-key
-    window granularity of the captured steps, tokens), attention (decode attention backend, "auto",
-    "dense" or "triton"; rollout.decode.StaticDecoder), fused_projections (one q/k/v and one gate/up
-    product per layer from concatenated weight copies).
-    """
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+        self.events: list[tuple[int, torch.cuda.Event]] = []
+        if self.cuda:
+            self.start = torch.cuda.Event(enable_timing=True)
+            self.start.record()
+            self.start.synchronize()
+        self.marks = [(0, time.perf_counter())]
 
-    temperature: float
-    top_p: float
-    top_k: int
-    max_tokens: int
-    eos_ids: tuple[int, ...]
-    pad_id: int
-    banned_ids: torch.Tensor
-    eos_check_every: int = 16
-    cuda_graphs: bool = True
-    compile: bool = False
-    graph_window: int = 128
-    attention: str = "auto"
-    fused_projections: bool = False
+    def mark(self, steps: int) -> None:
+        if not self.cuda:
+            self.marks.append((steps, time.perf_counter()))
+            return
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        self.events.append((steps, event))
 
-    @classmethod
-    def from_config(
-        cls, rollout, eos_ids: tuple[int, ...], pad_id: int, banned_ids: torch.Tensor
-    ) -> SamplingParams:
-        """Settings of a ``RolloutConfig`` (config.rollout) with the model's special ids."""
-        return cls(
-            rollout.temperature,
-            rollout.top_p,
-            rollout.top_k,
-            rollout.max_response_tokens,
-            eos_ids,
-            pad_id,
-            banned_ids,
-            cuda_graphs=rollout.cuda_graphs,
-            compile=rollout.compile_decode,
-            graph_window=rollout.graph_window,
-            attention=rollout.decode_attention,
-            fused_projections=rollout.fused_projections,
-        )
+    def wait(self, index: int) -> None:
+        """Block until mark ``index`` (0 = first after the start) has been reached on the device."""
+        if self.cuda:
+            self.events[index][1].synchronize()
+
+    def timeline(self) -> DecodeTimeline:
+        start = self.marks[0][1]
+        marks = list(self.marks)
+        for steps, event in self.events:
+            event.synchronize()
+            marks.append((steps, start + self.start.elapsed_time(event) / 1e3))
+        return DecodeTimeline(marks)
 
 
-def _sample(logits: torch.Tensor, params: SamplingParams, generator) -> tuple[torch.Tensor, torch.Tensor]:
-    return sample_tokens(
-        logits,
-        temperature=params.temperature,
-        top_p=params.top_p,
-        top_k=params.top_k,
-        banned_ids=params.banned_ids.to(logits.device),
-        generator=generator,
-    )
-
-
-def _mark(timeline: DecodeTimeline, steps: int, device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.current_stream(device).synchronize()
-    timeline.marks.append((steps, time.perf_counter()))
+def _decode(decoder: StaticDecoder, record: DecodeRecord, clock: _DecodeClock) -> None:
+    """Replay until every row has finished or the budget is spent. On CUDA the "all finished" flag of
+    replay r is read after replay r + 1 is queued, so the device never waits for the host."""
+    lag = 1 if clock.cuda else 0
+    flags = torch.zeros(decoder.replays_total, dtype=torch.bool, pin_memory=clock.cuda)
+    while decoder.replays < decoder.replays_total:
+        replay = decoder.replays
+        steps = decoder.advance()
+        flags[replay].copy_(record.done.all(), non_blocking=True)
+        clock.mark(steps)
+        if replay >= lag:
+            clock.wait(replay - lag)
+            if bool(flags[replay - lag]):
+                break
 
 
 @torch.no_grad()
@@ -120,50 +105,25 @@ def generate(
     """
     rows, budget = prefix.num_groups * group_size, params.max_tokens
     device = prefix.last_logprobs.device
-    responses = torch.full((rows, budget), params.pad_id, dtype=torch.long, device=device)
-    logprobs = torch.zeros(rows, budget, dtype=prefix.last_logprobs.dtype, device=device)
-    lengths = torch.full((rows,), budget, dtype=torch.long, device=device)
-    eos = torch.tensor(params.eos_ids, device=device)
+    params = replace(params, banned_ids=params.banned_ids.to(device))
     # The rollout prefix log-probs are already at temperature T: sampling them at T=1 is the same law.
     first_params = params if params.temperature == 0 else replace(params, temperature=1.0)
-    token, lp = _sample(prefix.last_logprobs.repeat_interleave(group_size, 0), first_params, generator)
+    token, lp = first_params.sample(prefix.last_logprobs.repeat_interleave(group_size, 0), generator)
+    record = DecodeRecord.empty(rows, params, device, prefix.last_logprobs.dtype)
+    record.write(token, lp, torch.zeros(1, dtype=torch.long, device=device))
     decoder = None
     if budget > 1:
-        decoder = StaticDecoder(
-            model,
-            prefix,
-            group_size,
-            budget,
-            graphs=params.cuda_graphs,
-            compile=params.compile,
-            window=params.graph_window,
-            attention=params.attention,
-            fused_projections=params.fused_projections,
-        )
+        decoder = StaticDecoder(model, prefix, group_size, params, record, token, generator)
         decoder.capture()
-    timeline = DecodeTimeline()
-    _mark(timeline, 0, device)
+    clock = _DecodeClock(device)
     if before_decode is not None:
         before_decode()
-    done, decoded = torch.zeros(rows, dtype=torch.bool, device=device), 0
-    for step in range(budget):
-        responses[:, step] = torch.where(done, params.pad_id, token)
-        logprobs[:, step] = torch.where(done, 0.0, lp)
-        finished_now = ~done & torch.isin(token, eos)
-        lengths = torch.where(finished_now, step + 1, lengths)
-        done = done | finished_now
-        if step + 1 == budget:
-            break
-        if (step + 1) % params.eos_check_every == 0:
-            all_done = bool(done.all())
-            timeline.marks.append((decoded, time.perf_counter()))
-            if all_done:
-                break
-        token, lp = _sample(decoder.step(token, step), params, generator)
-        decoded += 1
-    _mark(timeline, decoded, device)
+    if decoder is not None:
+        _decode(decoder, record, clock)
+    timeline = clock.timeline()
+    lengths, done = record.lengths, record.done
     budget_used = int(lengths.max())
-    responses, logprobs = responses[:, :budget_used], logprobs[:, :budget_used]
+    responses, logprobs = record.responses[:, :budget_used], record.logprobs[:, :budget_used]
     texts = [
         tokenizer.decode(responses[b, : int(lengths[b])].tolist(), skip_special_tokens=True)
         for b in range(rows)

@@ -14,6 +14,8 @@ Shapes: B rows being decoded, V vocabulary size, ``...`` any leading dims.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 NEG_INF = float("-inf")
@@ -120,6 +122,7 @@ def sample_tokens(
     top_p: float = 1.0,
     top_k: int = 0,
     generator: torch.Generator | None = None,
+    race: Callable | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Draw one token per row and record its log-prob under the trainer's definition.
 
@@ -136,6 +139,7 @@ def sample_tokens(
         banned_ids: int64 [K] ids that are never drawn (vision specials, field case B05).
         top_p: in (0, 1], 1.0 = off. top_k: >= 0, 0 = off. Both ignored when greedy.
         generator: random source on the device of ``logits``; None uses the global one.
+        race: :func:`race_tokens` or a compiled copy of it (None: ``race_tokens``).
 
     Returns:
         (tokens int64 [B], logprobs float32 [B] in nats).
@@ -147,14 +151,40 @@ def sample_tokens(
         raise ValueError(f"logits must be [B, V], got shape {tuple(logits.shape)}")
     if temperature < 0:
         raise ValueError(f"temperature must be >= 0 (0 = greedy), got {temperature}")
-    if temperature == 0:
+    noise = None
+    if temperature > 0:
+        dtype = torch.promote_types(logits.dtype, torch.float32)
+        noise = torch.empty(logits.shape, dtype=dtype, device=logits.device).exponential_(generator=generator)
+    race = race or race_tokens
+    return race(logits, noise, temperature=temperature, banned_ids=banned_ids, top_p=top_p, top_k=top_k)
+
+
+def race_tokens(
+    logits: torch.Tensor,
+    noise: torch.Tensor | None,
+    *,
+    temperature: float,
+    banned_ids: torch.Tensor,
+    top_p: float = 1.0,
+    top_k: int = 0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The deterministic part of :func:`sample_tokens`, given the race's noise: a pure function of its
+    tensors, so it can be compiled and captured.
+
+    Args:
+        logits: float [B, V]. noise: E_v ~ Exp(1) i.i.d., float32 [B, V] (float64 for float64 logits);
+            None when greedy (``temperature == 0``). Other arguments as in :func:`sample_tokens`.
+
+    Returns:
+        (tokens int64 [B], logprobs float32 [B] in nats), as :func:`sample_tokens`.
+    """
+    if noise is None:
         logprobs = token_logprobs(logits, 1.0, banned_ids)
         tokens = logprobs.argmax(dim=-1)
     else:
         logprobs = token_logprobs(logits, temperature, banned_ids)
         keep = support_mask(logprobs, top_p=top_p, top_k=top_k)
-        race = torch.empty_like(logprobs).exponential_(generator=generator).log()
-        tokens = torch.where(keep, logprobs - race, NEG_INF).argmax(dim=-1)
+        tokens = torch.where(keep, logprobs - noise.log(), NEG_INF).argmax(dim=-1)
     return tokens, logprobs.gather(-1, tokens[:, None]).squeeze(-1)
 
 

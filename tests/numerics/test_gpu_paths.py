@@ -153,6 +153,7 @@ def test_batched_vision_attention_bf16(models, monkeypatch):
     from tests.models.test_vision_attention import spy_batching
 
     reference = _bf16_model(models[0])
+    prepare_model(reference, vision_attention="per_chunk")
     batched = copy.deepcopy(reference)
     prepare_model(batched, vision_attention="batched")
     grid = torch.tensor([[4, 12, 20]], device="cuda")

@@ -142,10 +142,19 @@ def test_same_seed_same_rollout(models):
 
 
 def test_decode_timeline_counts_decode_steps(models):
-    """The timeline starts before the first decode step, ends after the last, and counts decode calls
-    (the first token comes from the prefix, so R tokens take R - 1 decode steps)."""
+    """The timeline starts before the first decode step, marks the end of every replay of
+    ``eos_check_every`` steps and ends after the last step (the first token comes from the prefix, so R
+    tokens take R - 1 decode steps; without graphs the last replay runs only the steps left)."""
     batch = _rollout(models[0], _prompts(), _params(max_tokens=10, eos_check_every=4))
     steps = [s for s, _ in batch.timeline.marks]
     times = [t for _, t in batch.timeline.marks]
-    assert steps == [0, 3, 7, 9] and times == sorted(times)
+    assert steps == [0, 4, 8, 9] and times == sorted(times)
     assert batch.timeline.steps == 9 and batch.timeline.end >= batch.timeline.start
+
+
+def test_decode_stops_once_every_row_has_finished(models):
+    """Every token ends a response: all rows finish at position 0, and the loop stops after the
+    replay whose flag says so instead of running the whole budget."""
+    batch = _rollout(models[0], _prompts(), _params(max_tokens=40, eos=tuple(range(1000)), eos_check_every=4))
+    assert batch.timeline.steps == 4
+    assert (batch.response_lens == 1).all() and not batch.truncated.any()

@@ -49,14 +49,25 @@ def _dense(q, pk, pv, lens, own_k, own_v, step, shape):
     return decode_attention(q, pk, pv, torch.nan_to_num(own_k), torch.nan_to_num(own_v), bias, shape)
 
 
+def _fused(q, pk, pv, lens, own_k, own_v, step, scaling, n):
+    """The kernel as the decoder calls it: the step's key/value passed in and written by the kernel; the
+    slot holds NaN before, so reading it unwritten fails. Returns the output and checks the slot."""
+    new_k, new_v = own_k[:, :, step].clone(), own_v[:, :, step].clone()
+    own_k[:, :, step] = own_v[:, :, step] = float("nan")
+    out = fused_decode_attention(
+        q, pk, pv, lens, own_k, own_v, new_k, new_v, torch.tensor([step], device=DEVICE), scaling, n
+    )
+    assert torch.equal(own_k[:, :, step], new_k) and torch.equal(own_v[:, :, step], new_v)
+    return out
+
+
 @pytest.mark.parametrize(("seed", "window", "step"), [(0, 70, 40), (1, 70, 69), (2, 300, 40), (3, 300, 200)])
 def test_fused_equals_dense(seed, window, step):
-    """One or three own-key chunks (128 keys each), some of them past the step (empty partials)."""
+    """One or three own-key chunks (128 keys each), some of them past the step (empty partials); the
+    step's key/value written into the cache by the kernel."""
     q, pk, pv, lens, own_k, own_v, step, shape = _case(seed, window=window, step=step)
-    fused = fused_decode_attention(
-        q, pk, pv, lens, own_k, own_v, torch.tensor([step], device=DEVICE), shape.scaling, shape.group_size
-    )
     dense = _dense(q, pk, pv, lens, own_k, own_v, step, shape)
+    fused = _fused(q, pk, pv, lens, own_k, own_v, step, shape.scaling, shape.group_size)
     assert torch.isfinite(fused).all()
     assert (fused - dense).abs().max() <= TOL
 
@@ -64,39 +75,33 @@ def test_fused_equals_dense(seed, window, step):
 def test_step_zero_and_group_of_one_with_odd_heads():
     """Only own key 0 visible; N = 1 and rep = 3 (query blocks padded to 16)."""
     q, pk, pv, lens, own_k, own_v, step, shape = _case(2, groups=2, n=1, hkv=1, rep=3, step=0, lens=(300, 1))
-    fused = fused_decode_attention(
-        q, pk, pv, lens, own_k, own_v, torch.tensor([0], device=DEVICE), shape.scaling, 1
-    )
-    assert (fused - _dense(q, pk, pv, lens, own_k, own_v, step, shape)).abs().max() <= TOL
+    dense = _dense(q, pk, pv, lens, own_k, own_v, step, shape)
+    assert (_fused(q, pk, pv, lens, own_k, own_v, 0, shape.scaling, 1) - dense).abs().max() <= TOL
 
 
 def test_bad_head_dim_is_named():
     q, pk, pv, lens, own_k, own_v, step, shape = _case(3, d=24)
     with pytest.raises(ValueError, match="power of two"):
-        fused_decode_attention(
-            q, pk, pv, lens, own_k, own_v, torch.tensor([step], device=DEVICE), shape.scaling, 3
-        )
+        _fused(q, pk, pv, lens, own_k, own_v, step, shape.scaling, 3)
 
 
 def test_wrong_inputs_are_named():
     q, pk, pv, lens, own_k, own_v, step, shape = _case(4)
     step_t = torch.tensor([step], device=DEVICE)
+    new = (own_k[:, :, step].clone(), own_v[:, :, step].clone())
     with pytest.raises(ValueError, match="prefix_lens int32"):
-        fused_decode_attention(q, pk, pv, lens.long(), own_k, own_v, step_t, shape.scaling, 3)
+        fused_decode_attention(q, pk, pv, lens.long(), own_k, own_v, *new, step_t, shape.scaling, 3)
     with pytest.raises(ValueError, match="B = G·N"):
-        fused_decode_attention(q, pk, pv, lens, own_k, own_v, step_t, shape.scaling, 2)
-    with pytest.raises(ValueError, match="contiguous last"):
+        fused_decode_attention(q, pk, pv, lens, own_k, own_v, *new, step_t, shape.scaling, 2)
+    with pytest.raises(ValueError, match="step's key/value of shape"):
+        fused_decode_attention(q, pk, pv, lens, own_k, own_v, new[0][:1], new[1], step_t, shape.scaling, 3)
+    with pytest.raises(ValueError, match="cache's dtype"):
         fused_decode_attention(
-            q.transpose(1, 2).contiguous().transpose(1, 2),
-            pk,
-            pv,
-            lens,
-            own_k,
-            own_v,
-            step_t,
-            shape.scaling,
-            3,
+            q, pk, pv, lens, own_k, own_v, new[0].double(), new[1], step_t, shape.scaling, 3
         )
+    q_strided = q.transpose(1, 2).contiguous().transpose(1, 2)
+    with pytest.raises(ValueError, match="contiguous last"):
+        fused_decode_attention(q_strided, pk, pv, lens, own_k, own_v, *new, step_t, shape.scaling, 3)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -113,8 +118,7 @@ def test_bf16_at_the_3b_shape_against_float64():
     for i, length in enumerate(lens):
         pk[i, :, length:] = pv[i, :, length:] = 0
     own_k, own_v = rand(g * n, hkv, window, d), rand(g * n, hkv, window, d)
-    step_t = torch.tensor([step], device="cuda")
-    fused = fused_decode_attention(q, pk, pv, lens_t, own_k, own_v, step_t, d**-0.5, n)
+    fused = _fused(q, pk, pv, lens_t, own_k, own_v, step, d**-0.5, n)
     shape = DecodeShape(g, n, hkv * rep, hkv, d, window, d**-0.5, 1e-6)
     hidden = torch.cat(
         [
