@@ -137,7 +137,15 @@ def _bench_prefix(args: argparse.Namespace) -> None:
 def _bench_schedule(args: argparse.Namespace) -> None:
     from rollplex.bench.schedule import ScheduleBenchConfig, run_schedule_bench
 
-    extra = ("warmup", "steps", "auto_trials", "decode_attention", "compile_decode", "fused_projections")
+    extra = (
+        "warmup",
+        "steps",
+        "auto_trials",
+        "decode_attention",
+        "compile_decode",
+        "fused_projections",
+        "fused_sampling",
+    )
     options = _options(args, (*WORKLOAD_FIELDS, *extra))
     if args.rows is not None:
         options["rows"] = tuple(row.strip() for row in args.rows.split(","))
@@ -206,6 +214,11 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
         "--fused-projections",
         action=argparse.BooleanOptionalAction,
         help="decode: one q/k/v and one gate/up product per layer (default on)",
+    )
+    p.add_argument(
+        "--fused-sampling",
+        action=argparse.BooleanOptionalAction,
+        help="decode: the sampling race as Triton kernels (default on)",
     )
     p.add_argument("--auto-trials", type=int, help="auto row: trial steps per co-running policy (default 2)")
     p.add_argument(

@@ -179,6 +179,11 @@ class RolloutConfig:
         "decode: one q/k/v and one gate/up matrix product per layer, from copies of those weights "
         "concatenated when decode starts (their memory again during rollout: 3.6 GB for the 3B model)",
     )
+    fused_sampling: bool = _field(
+        True,
+        "decode: the sampling race (log-softmax, Gumbel race, recorded log-prob) as two Triton kernels "
+        "(CUDA; plain temperature sampling only, top-p/top-k use the eager race)",
+    )
 
 
 @dataclass(kw_only=True)

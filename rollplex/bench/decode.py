@@ -8,7 +8,9 @@ rollout's own-key lengths 1..R.
 
 Variants (same prompts, same prefix): ``eager`` (the step's kernels launched one by one, only the first
 ``eager_tokens`` tokens), ``graphs`` (CUDA-graph replay), ``graphs+compile`` (torch.compile, then
-capture), and both again with the fused Triton decode attention (``+triton``, rollout.decode_kernel). Decode time comes from the rollout's own timeline, which starts after capture/compilation.
+capture), both again with the fused Triton decode attention (``+triton``, rollout.decode_kernel), then
+with fused q/k/v and gate/up products (``+fused``) and the fused sampling race (``+sampling``,
+rollout.sample_kernel): the last is the CUDA default. Decode time comes from the rollout's own timeline, which starts after capture/compilation.
 """
 
 from __future__ import annotations
@@ -36,6 +38,13 @@ VARIANTS = {
         "compile": True,
         "attention": "triton",
         "fused_projections": True,
+    },
+    "graphs+compile+triton+fused+sampling": {
+        "cuda_graphs": True,
+        "compile": True,
+        "attention": "triton",
+        "fused_projections": True,
+        "fused_sampling": True,
     },
 }
 

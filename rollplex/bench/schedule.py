@@ -66,6 +66,7 @@ class ScheduleBenchConfig(Workload):
     auto_trials: int = 2
     decode_attention: str = "auto"
     fused_projections: bool = True
+    fused_sampling: bool = True
 
 
 @dataclass
@@ -114,6 +115,7 @@ class _Workload:
             "rollout.decode_attention": cfg.decode_attention,
             "rollout.compile_decode": cfg.compile_decode,
             "rollout.fused_projections": cfg.fused_projections,
+            "rollout.fused_sampling": cfg.fused_sampling,
             **{k: self.sms // 2 if v == "half" else v for k, v in overrides.items()},
         }
         config = load_config(

@@ -28,6 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from rollplex.config import DECODE_ATTENTION
+from rollplex.rollout import sample_kernel
 from rollplex.rollout.decode_kernel import fused_decode_attention, supports
 from rollplex.rollout.sampler import race_tokens, sample_tokens
 from rollplex.types import PrefixState
@@ -212,7 +213,9 @@ class SamplingParams:
     per replay), cuda_graphs (replay the decode steps as CUDA graphs), compile (torch.compile the step
     before capture), graph_window (own-key window granularity of the captured steps, tokens),
     attention (decode attention backend, "auto", "dense" or "triton"; ``StaticDecoder``),
-    fused_projections (one q/k/v and one gate/up product per layer from concatenated weight copies).
+    fused_projections (one q/k/v and one gate/up product per layer from concatenated weight copies),
+    fused_sampling (the decode steps' sampling race as Triton kernels, rollout.sample_kernel; CUDA or
+    the Triton interpreter, elsewhere the eager race).
     """
 
     temperature: float
@@ -228,6 +231,7 @@ class SamplingParams:
     graph_window: int = 128
     attention: str = "auto"
     fused_projections: bool = False
+    fused_sampling: bool = False
 
     @classmethod
     def from_config(
@@ -247,6 +251,7 @@ class SamplingParams:
             graph_window=rollout.graph_window,
             attention=rollout.decode_attention,
             fused_projections=rollout.fused_projections,
+            fused_sampling=rollout.fused_sampling,
         )
 
     def sample(self, logits: torch.Tensor, generator=None, race=None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -397,8 +402,10 @@ class StaticDecoder:
         self.attention = _check_attention(params.attention, device, self.shape)
         self.layer_fns: tuple[Callable, Callable, Callable] = EAGER_LAYER_FNS
         self.race: Callable = race_tokens
+        if params.fused_sampling and _triton_runs(device) and sample_kernel.triton is not None:
+            self.race = sample_kernel.fused_race
         if params.compile and use_cuda:
-            self.layer_fns, self.race = _compiled_layer(), _compiled_race()
+            self.layer_fns = _compiled_layer()
         self.use_graphs = params.cuda_graphs and use_cuda
         self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.replays = 0
@@ -509,8 +516,8 @@ class StaticDecoder:
             return self._forward(length)
 
     def _warm_race(self, logits: torch.Tensor) -> None:
-        """Compile the sampling race before capture, on noise of ones (no random numbers drawn); a
-        compiler failure falls back to the eager race with a warning."""
+        """Build the fused sampling race's kernels before capture, on noise of ones (no random numbers
+        drawn); a failure falls back to the eager race with a warning."""
         p = self.params
         noise = None if p.temperature == 0 else torch.ones_like(logits, dtype=torch.float32)
         try:
@@ -525,7 +532,7 @@ class StaticDecoder:
         except Exception as err:  # noqa: BLE001 - any compiler failure leaves a working eager path
             if self.race is race_tokens:
                 raise
-            log.warning("compiled sampling failed (%s: %s); using the eager race", type(err).__name__, err)
+            log.warning("fused sampling failed (%s: %s); using the eager race", type(err).__name__, err)
             self.race = race_tokens
 
     @torch.no_grad()
@@ -571,16 +578,9 @@ def _compiled_layer() -> tuple[Callable, Callable, Callable]:
     return _COMPILED
 
 
-_COMPILED_RACE: Callable | None = None
-
-
-def _compiled_race() -> Callable:
-    """``rollout.sampler.race_tokens`` under torch.compile, built once per process: the log-softmax,
-    race and gather of a step in a few fused kernels instead of one pass over [B, V] per operation."""
-    global _COMPILED_RACE
-    if _COMPILED_RACE is None:
-        _COMPILED_RACE = torch.compile(race_tokens)
-    return _COMPILED_RACE
+def _triton_runs(device: torch.device) -> bool:
+    """Triton kernels can run on tensors of ``device``: CUDA, or the CPU under ``TRITON_INTERPRET=1``."""
+    return device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
 
 
 def _check_attention(name: str, device: torch.device, shape: DecodeShape) -> str:
@@ -591,6 +591,6 @@ def _check_attention(name: str, device: torch.device, shape: DecodeShape) -> str
     if name == "auto":
         usable = device.type == "cuda" and supports(shape.heads, shape.kv_heads, shape.head_dim)
         return "triton" if usable else "dense"
-    if name == "triton" and device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+    if name == "triton" and not _triton_runs(device):
         raise ValueError("decode attention 'triton' runs on CUDA (or on the CPU under TRITON_INTERPRET=1)")
     return name

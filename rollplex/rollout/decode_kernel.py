@@ -36,7 +36,7 @@ try:  # Triton ships with the CUDA builds of torch; the CPU builds lack it
 except ImportError:  # pragma: no cover - exercised only on installs without Triton
     triton = tl = None
 
-PREFIX_CHUNK = 256  # boundary keys per prefix program
+PREFIX_CHUNK = 512  # boundary keys per prefix program
 OWN_CHUNK = 128  # own keys per own-key program
 BLOCK_KEYS = 64  # keys per inner iteration
 

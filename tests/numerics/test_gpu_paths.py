@@ -107,23 +107,30 @@ def _bf16_rollout(model, prompts, **decode):
 
 
 @pytest.mark.parametrize(
-    ("compile", "attention", "fused"),
+    ("compile", "attention", "fused", "sampling"),
     [
-        (False, "dense", False),
-        (True, "dense", False),
-        (False, "triton", False),
-        (True, "triton", False),
-        (True, "triton", True),
+        (False, "dense", False, False),
+        (True, "dense", False, False),
+        (False, "triton", False, False),
+        (True, "triton", False, False),
+        (True, "triton", True, False),
+        (True, "triton", True, True),
     ],
 )
-def test_bf16_rollout_vs_trainer_logprobs(models, compile, attention, fused):
+def test_bf16_rollout_vs_trainer_logprobs(models, compile, attention, fused, sampling):
     """bf16: the captured (optionally compiled, with the fused Triton attention, with fused q/k/v and
-    gate/up products) decode step records log-probs within 0.1 (max) and 0.01 (mean) of the trainer's
-    prefix + suffix path, over 40 tokens in three own-key windows."""
+    gate/up products, with the fused sampling race) decode steps record log-probs within 0.1 (max) and
+    0.01 (mean) of the trainer's prefix + suffix path, over 40 tokens in three own-key windows."""
     model = _bf16_model(models[0])
     prompts = _prompts("cuda", torch.bfloat16)
     batch = _bf16_rollout(
-        model, prompts, cuda_graphs=True, compile=compile, attention=attention, fused_projections=fused
+        model,
+        prompts,
+        cuda_graphs=True,
+        compile=compile,
+        attention=attention,
+        fused_projections=fused,
+        fused_sampling=sampling,
     )
     trainer = _score(model, prompts, batch.responses, attached=True).detach()
     diff = (trainer - batch.logprobs).abs()[batch.response_mask()]
@@ -134,13 +141,14 @@ def test_bf16_rollout_vs_trainer_logprobs(models, compile, attention, fused):
     assert float(diff.max()) <= 0.1 and float(diff.mean()) <= 0.01
 
 
-@pytest.mark.parametrize("attention", ["dense", "triton"])
-def test_graph_replay_equals_eager_decode(models, attention):
-    """CUDA-graph replay runs the same kernels as the eager step: bitwise the same rollout."""
+@pytest.mark.parametrize(("attention", "sampling"), [("dense", False), ("triton", False), ("triton", True)])
+def test_graph_replay_equals_eager_decode(models, attention, sampling):
+    """CUDA-graph replay runs the same kernels as the eager steps, sampling with the generator
+    registered with the graphs included: bitwise the same rollout."""
     model = _bf16_model(models[0])
     prompts = _prompts("cuda", torch.bfloat16)
-    graphed = _bf16_rollout(model, prompts, cuda_graphs=True, attention=attention)
-    eager = _bf16_rollout(model, prompts, cuda_graphs=False, attention=attention)
+    graphed = _bf16_rollout(model, prompts, cuda_graphs=True, attention=attention, fused_sampling=sampling)
+    eager = _bf16_rollout(model, prompts, cuda_graphs=False, attention=attention, fused_sampling=sampling)
     assert torch.equal(graphed.responses, eager.responses)
     assert torch.equal(graphed.logprobs, eager.logprobs)
 

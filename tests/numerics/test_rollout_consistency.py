@@ -70,10 +70,12 @@ def test_recorded_logprobs_equal_trainer_and_oracle_float64(models, window, fuse
     assert not clipped[mask].any()
 
 
-@pytest.mark.parametrize("attention", ["dense", "triton"])
-def test_step0_rollout_vs_trainer_float32(models, attention):
+@pytest.mark.parametrize(
+    ("attention", "fused_sampling"), [("dense", False), ("triton", False), ("triton", True)]
+)
+def test_step0_rollout_vs_trainer_float32(models, attention, fused_sampling):
     """fp32 on CPU: rollout-recorded vs prefix+suffix log-probs agree to ≤ 1e-5, with the dense and
-    the fused (Triton, interpreted on the CPU) decode attention."""
+    the fused (Triton, interpreted on the CPU) decode attention, and with the fused sampling race."""
     if attention == "triton":
         pytest.importorskip("triton")
         if os.environ.get("TRITON_INTERPRET") != "1":
@@ -85,7 +87,9 @@ def test_step0_rollout_vs_trainer_float32(models, attention):
     for p in prompts:
         p.pixel_values = None if p.pixel_values is None else p.pixel_values.float()
         p.pixel_values_videos = None if p.pixel_values_videos is None else p.pixel_values_videos.float()
-    batch = _rollout(model32, prompts, _params(max_tokens=12, attention=attention))
+    batch = _rollout(
+        model32, prompts, _params(max_tokens=12, attention=attention, fused_sampling=fused_sampling)
+    )
     prefix = prefix_forward(model32, prompts, temperature=T, banned_ids=BANNED, attached=True)
     trainer, _ = suffix_logprobs(
         model32, prefix, batch.responses, group_size=N, temperature=T, banned_ids=BANNED

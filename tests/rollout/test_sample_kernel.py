@@ -1,0 +1,78 @@
+"""The fused sampling race (rollout.sample_kernel) against rollout.sampler.race_tokens on the same noise:
+the same tokens, log-probs equal up to float32 summation order (on the CPU through Triton's
+interpreter, which tests/conftest.py switches on; on CUDA when present)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from rollplex.rollout.sample_kernel import SPLITS, fused_race  # noqa: E402
+from rollplex.rollout.sampler import race_tokens  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _inputs(rows, vocab, dtype, seed, spread=4.0):
+    g = torch.Generator().manual_seed(seed)
+    logits = (torch.randn(rows, vocab, generator=g) * spread).to(dtype)
+    noise = torch.empty(rows, vocab).exponential_(generator=g)
+    return logits.to(DEVICE), noise.to(DEVICE)
+
+
+@pytest.mark.parametrize(
+    ("rows", "vocab", "dtype", "temperature"),
+    [
+        (5, 300, torch.float32, 1.0),  # slices of 10: most splits hold one block
+        (3, SPLITS * 1024 + 77, torch.float32, 0.7),  # several blocks per slice, a ragged last slice
+        (4, 5000, torch.bfloat16, 1.3),
+    ],
+)
+def test_fused_race_equals_the_eager_race(rows, vocab, dtype, temperature):
+    logits, noise = _inputs(rows, vocab, dtype, seed=vocab)
+    banned = torch.tensor([1, 7, vocab - 1], device=DEVICE)
+    args = dict(temperature=temperature, banned_ids=banned)
+    tokens, logprobs = fused_race(logits, noise, **args)
+    want_tokens, want_logprobs = race_tokens(logits, noise, **args)
+    assert torch.equal(tokens, want_tokens)
+    assert logprobs.dtype == torch.float32
+    assert (logprobs - want_logprobs).abs().max() <= 2e-5
+
+
+def test_banned_ids_lose_even_when_most_likely():
+    logits, noise = _inputs(6, 400, torch.float32, seed=1)
+    logits[:, 13] = 1e4  # would win every race
+    tokens, _ = fused_race(logits, noise, temperature=1.0, banned_ids=torch.tensor([13], device=DEVICE))
+    assert not (tokens == 13).any()
+    want, _ = race_tokens(logits, noise, temperature=1.0, banned_ids=torch.tensor([13], device=DEVICE))
+    assert torch.equal(tokens, want)
+
+
+def test_ties_go_to_the_first_index_as_argmax():
+    """Equal scores in different slices and lanes: the smallest vocabulary id wins, as ``argmax``."""
+    logits = torch.zeros(2, 3000, device=DEVICE)
+    noise = torch.ones(2, 3000, device=DEVICE)
+    for v in (2999, 1500, 700):
+        logits[:, v] = 5.0
+    tokens, logprobs = fused_race(
+        logits, noise, temperature=1.0, banned_ids=torch.tensor([], device=DEVICE, dtype=torch.long)
+    )
+    assert tokens.tolist() == [700, 700]
+    want = torch.log_softmax(logits, dim=-1)[:, 700]
+    assert (logprobs - want).abs().max() <= 1e-5
+
+
+@pytest.mark.parametrize(("top_p", "top_k", "greedy"), [(0.9, 0, False), (1.0, 5, False), (1.0, 0, True)])
+def test_filters_and_greedy_take_the_eager_race(top_p, top_k, greedy):
+    logits, noise = _inputs(3, 200, torch.float32, seed=2)
+    args = dict(
+        temperature=0.0 if greedy else 1.0,
+        banned_ids=torch.tensor([3], device=DEVICE),
+        top_p=top_p,
+        top_k=top_k,
+    )
+    noise = None if greedy else noise
+    got, want = fused_race(logits, noise, **args), race_tokens(logits, noise, **args)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
