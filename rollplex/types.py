@@ -130,11 +130,14 @@ class PrefixState:
 
 @dataclass
 class DecodeTimeline:
-    """Host clock (``time.perf_counter`` s) at the decode loop's synchronisation points.
+    """When the decode loop reached its replay boundaries, in host-clock seconds (``time.perf_counter``).
 
-    ``marks`` are (tokens decoded so far, seconds) pairs: the first after the step graphs exist and the
-    device caught up, then one at every EOS check and one at the end. They time decode without adding
-    synchronisation, and tell how fast decode ran before and after concurrent work ended (Eq. 1's ΔD).
+    ``marks`` are (decode steps run so far, seconds) pairs: the first once the step graphs exist and the
+    device has caught up, then one at the end of every replay of ``eos_check_every`` steps (on CUDA the
+    time a CUDA event on the decode stream completed, converted to the host clock). They time decode
+    without adding synchronisation, and tell how fast decode ran before and after concurrent work ended
+    (Eq. 1's ΔD). ``steps`` counts steps run, which can exceed R − 1: replays are whole, and on CUDA
+    one more replay is queued before the host sees that every row has finished.
     """
 
     marks: list[tuple[int, float]] = field(default_factory=list)

@@ -1,13 +1,15 @@
 """The decode step: one new token per row against the shared boundary KV, with static shapes.
 
 Legend: G groups, N group size, B = G·N rows, H query heads, Hkv key/value heads, D head dim,
-Hd hidden size, V vocabulary, P padded prompt length, R response budget, L own-key window.
+Hd hidden size, V vocabulary, P padded prompt length, R response budget (the cache holds R rounded up
+to whole replays, ``decode_steps``), L own-key window.
 
 Every buffer the step reads or writes is allocated once per rollout (the boundary KV of the rollout
-prefix, a [B, Hkv, R, D] cache of generated keys/values per layer, the token and step inputs), so the
-step has the same shapes and addresses at every token. On CUDA it is therefore captured as CUDA graphs
-(one per own-key window L, a multiple of ``window`` tokens, so a step reads at most ``window - 1``
-unwritten cache slots) and replayed; its elementwise work can also be compiled (torch.compile) first.
+prefix, a [B, Hkv, R, D] cache of generated keys/values per layer, the token and step index, the
+recorded responses and log-probs), so the step has the same shapes and addresses at every token. On
+CUDA, ``eos_check_every`` steps — forward, sampling, recording — are therefore captured as one CUDA
+graph per own-key window L (a multiple of ``window`` tokens, so a step reads at most ``window - 1``
+masked cache slots) and replayed; the layer functions can also be compiled (torch.compile) first.
 
 The arithmetic is the Qwen2.5-VL decoder layer of transformers (RMSNorm, q/k/v with bias, rotary
 embedding, o_proj, SiLU-gated MLP), written here as one pure function of the layer's tensors so that it
@@ -466,8 +468,9 @@ class StaticDecoder:
 
         Graphs are captured on a stream of the current stream's priority: PyTorch instantiates graphs
         with per-node priorities, so replayed kernels keep the priority of the stream they were
-        captured on (not the one they are replayed on). Warm-up runs the forward only (it overwrites
-        cache slot 0, which step 0 writes again) and draws no random numbers.
+        captured on (not the one they are replayed on). Warm-up runs the forward (it overwrites cache
+        slot 0, which step 0 writes again) and the sampling race on noise of ones: it draws no random
+        numbers and records nothing.
 
         Raises:
             RuntimeError: this torch cannot register a generator with a CUDA graph.

@@ -4,12 +4,14 @@ Legend: G groups, N group size, B = G·N rows, R response budget, Hkv key/value 
 
 The prompt of a group is prefilled once (models.forward.prefix_forward, the rollout prefix) and its
 boundary KV is read by all N samples without being copied; generated tokens go into a static
-[B, Hkv, R, D] cache per layer (rollout.decode.StaticDecoder, replayed as CUDA graphs on CUDA).
-Sampling happens on the device; the host looks at the tokens only every ``eos_check_every`` steps to
-stop early once every row has finished, and records there how far decode has come (``DecodeTimeline``).
+[B, Hkv, R, D] cache per layer. Forward, sampling and recording of ``eos_check_every`` steps run on the
+device (rollout.decode.StaticDecoder, one CUDA-graph replay on CUDA); after each replay the host reads
+the previous replay's "every row finished" flag to stop early, and CUDA events at the replay
+boundaries record how far decode had come when (``DecodeTimeline``).
 
-Log-probs are recorded with exactly the trainer's definition (rollout.sampler.token_logprobs over the
-full vocabulary at the sampling temperature, vision ids banned: field cases B05, B08). Response lengths
+Log-probs are recorded with the trainer's definition (rollout.sampler.token_logprobs over the full
+vocabulary at the sampling temperature, vision ids banned: field cases B05, B08); the fused sampling
+race (rollout.sample_kernel, CUDA default) computes the same formula with float32 rounding of its own. Response lengths
 are recorded when a row samples an EOS id; the response mask comes from these lengths, never from
 token values.
 """
@@ -28,14 +30,19 @@ from rollplex.types import DecodeTimeline, PrefixState, Prompt, RolloutBatch
 
 class _DecodeClock:
     """The decode timeline's marks without a host synchronisation per mark: CUDA events on the decode
-    stream, converted to host seconds once decode has ended (on the CPU, the host clock at the mark)."""
+    stream, converted to host seconds once decode has ended (on the CPU, the host clock at the mark).
+
+    ``lag``: replays between queuing a replay and reading its "every row finished" flag — 1 on CUDA,
+    so the device always has the next replay queued; 0 on the CPU, where every step is synchronous."""
 
     def __init__(self, device: torch.device):
         self.cuda = device.type == "cuda"
+        self.lag = 1 if self.cuda else 0
+        self.stream = torch.cuda.current_stream(device) if self.cuda else None
         self.events: list[tuple[int, torch.cuda.Event]] = []
         if self.cuda:
             self.start = torch.cuda.Event(enable_timing=True)
-            self.start.record()
+            self.start.record(self.stream)
             self.start.synchronize()
         self.marks = [(0, time.perf_counter())]
 
@@ -44,12 +51,12 @@ class _DecodeClock:
             self.marks.append((steps, time.perf_counter()))
             return
         event = torch.cuda.Event(enable_timing=True)
-        event.record()
+        event.record(self.stream)
         self.events.append((steps, event))
 
     def wait(self, index: int) -> None:
         """Block until mark ``index`` (0 = first after the start) has been reached on the device."""
-        if self.cuda:
+        if self.events:
             self.events[index][1].synchronize()
 
     def timeline(self) -> DecodeTimeline:
@@ -61,11 +68,11 @@ class _DecodeClock:
         return DecodeTimeline(marks)
 
 
-def _decode(decoder: StaticDecoder, record: DecodeRecord, clock: _DecodeClock) -> None:
-    """Replay until every row has finished or the budget is spent. On CUDA the "all finished" flag of
-    replay r is read after replay r + 1 is queued, so the device never waits for the host."""
-    lag = 1 if clock.cuda else 0
-    flags = torch.zeros(decoder.replays_total, dtype=torch.bool, pin_memory=clock.cuda)
+def _decode(decoder: StaticDecoder, record: DecodeRecord, clock: _DecodeClock, flags: torch.Tensor) -> None:
+    """Replay until every row has finished or the budget is spent. The "all finished" flag of replay r
+    goes to ``flags[r]`` (bool [replays], pinned host memory on CUDA) and is read ``clock.lag`` replays
+    later, so on CUDA the device never waits for the host."""
+    lag = clock.lag
     while decoder.replays < decoder.replays_total:
         replay = decoder.replays
         steps = decoder.advance()
@@ -116,10 +123,12 @@ def generate(
         decoder = StaticDecoder(model, prefix, group_size, params, record, token, generator)
         decoder.capture()
     clock = _DecodeClock(device)
+    replays = decoder.replays_total if decoder is not None else 0
+    flags = torch.zeros(replays, dtype=torch.bool, pin_memory=clock.cuda)
     if before_decode is not None:
         before_decode()
     if decoder is not None:
-        _decode(decoder, record, clock)
+        _decode(decoder, record, clock, flags)
     timeline = clock.timeline()
     lengths, done = record.lengths, record.done
     budget_used = int(lengths.max())

@@ -80,6 +80,7 @@ def _race_merge(logits, m_in, l_in, s_in, i_in, tokens, logprobs, temperature, s
     score = tl.load(s_in + b * S + s)
     win = tl.max(score, 0)
     token = tl.min(tl.where(score == win, tl.load(i_in + b * S + s), 2**62), 0)
+    token = tl.where(win > float("-inf"), token, 0)  # no finite score (a NaN or fully banned row): id 0
     x = tl.load(logits + b * sl_b + token).to(tl.float32) / temperature
     tl.store(tokens + b, token)
     tl.store(logprobs + b, x - lse)

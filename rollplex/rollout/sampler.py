@@ -1,7 +1,8 @@
 """The one definition of a token log-prob, and the sampler built on it.
 
-Rollout recording, reference scoring and actor scoring all call :func:`token_logprobs`, so at step 0
-the importance ratio exp(actor - recorded) is exactly 1 for every token (field case B08):
+Rollout recording, reference scoring and actor scoring all use this definition (field case B08) —
+:func:`token_logprobs` itself, or in rollout the fused race of rollout.sample_kernel, which computes the
+same formula with float32 rounding of its own:
 
     logprob(token) = log_softmax(masked_logits(logits) / T)[token]   over the FULL vocabulary.
 
@@ -139,7 +140,8 @@ def sample_tokens(
         banned_ids: int64 [K] ids that are never drawn (vision specials, field case B05).
         top_p: in (0, 1], 1.0 = off. top_k: >= 0, 0 = off. Both ignored when greedy.
         generator: random source on the device of ``logits``; None uses the global one.
-        race: :func:`race_tokens` or a compiled copy of it (None: ``race_tokens``).
+        race: :func:`race_tokens` or a function of the same contract (rollout.sample_kernel.fused_race);
+            None: ``race_tokens``.
 
     Returns:
         (tokens int64 [B], logprobs float32 [B] in nats).

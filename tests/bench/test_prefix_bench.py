@@ -29,7 +29,7 @@ def test_tiny_bench_runs_and_agrees(tmp_path):
     assert json.loads((tmp_path / "out.json").read_text())["prompt_tokens"] == 20 + 2 * 4 * 4 // 4
 
 
-def test_vision_part_times_both_modes_and_restores_the_model(tmp_path):
+def test_vision_part_times_both_modes(tmp_path):
     cfg = PrefixBenchConfig(
         preset="tiny", groups=2, group_size=2, response_tokens=4, text_tokens=12, grid=(2, 4, 4),
         dtype="float32", parts=("vision",),
@@ -39,7 +39,6 @@ def test_vision_part_times_both_modes_and_restores_the_model(tmp_path):
         f"{r}/{m}" for r in ("reference", "actor") for m in VISION_ATTENTION
     }
     assert all(row["seconds"] > 0 for row in result.vision_attention.values())
-    assert result.vision_attention["actor/per_chunk"]["speedup"] == 1.0
 
 
 def test_unknown_part_is_refused():

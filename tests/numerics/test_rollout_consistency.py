@@ -162,3 +162,23 @@ def test_decode_stops_once_every_row_has_finished(models):
     batch = _rollout(models[0], _prompts(), _params(max_tokens=40, eos=tuple(range(1000)), eos_check_every=4))
     assert batch.timeline.steps == 4
     assert (batch.response_lens == 1).all() and not batch.truncated.any()
+
+
+def test_flag_read_one_replay_late_changes_only_when_decode_stops(models, monkeypatch):
+    """CUDA reads each replay's "all finished" flag one replay late: one more replay runs, and the
+    rollout it returns is the same (the extra steps only pad finished rows)."""
+    from rollplex.rollout import engine
+
+    params = _params(max_tokens=40, eos=tuple(range(5, 1000)), eos_check_every=4)
+    prompt_now = _rollout(models[0], _prompts(), params)
+
+    class Late(engine._DecodeClock):
+        def __init__(self, device):
+            super().__init__(device)
+            self.lag = 1
+
+    monkeypatch.setattr(engine, "_DecodeClock", Late)
+    late = _rollout(models[0], _prompts(), params)
+    assert prompt_now.timeline.steps < 39 and late.timeline.steps == prompt_now.timeline.steps + 4
+    for name in ("responses", "logprobs", "response_lens", "truncated"):
+        assert torch.equal(getattr(late, name), getattr(prompt_now, name)), name

@@ -76,3 +76,15 @@ def test_filters_and_greedy_take_the_eager_race(top_p, top_k, greedy):
     noise = None if greedy else noise
     got, want = fused_race(logits, noise, **args), race_tokens(logits, noise, **args)
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
+def test_a_row_without_a_finite_score_gives_an_id_in_range():
+    """A NaN row (every score NaN) must not send the out-of-range sentinel index to the gather or the
+    next step's embedding lookup."""
+    logits, noise = _inputs(2, 3000, torch.float32, seed=3)
+    logits[1] = float("nan")
+    tokens, _ = fused_race(logits, noise, temperature=1.0, banned_ids=torch.tensor([5], device=DEVICE))
+    assert 0 <= int(tokens[1]) < 3000
+    assert int(tokens[0]) == int(
+        race_tokens(logits[:1], noise[:1], temperature=1.0, banned_ids=torch.tensor([5], device=DEVICE))[0]
+    )
