@@ -130,14 +130,14 @@ class PrefixState:
 
 @dataclass
 class DecodeTimeline:
-    """When the decode loop reached its replay boundaries, in host-clock seconds (``time.perf_counter``).
+    """When the decode loop reached its round boundaries, in host-clock seconds (``time.perf_counter``).
 
     ``marks`` are (decode steps run so far, seconds) pairs: the first once the step graphs exist and the
-    device has caught up, then one at the end of every replay of ``eos_check_every`` steps (on CUDA the
+    device has caught up, then one at the end of every round of ``eos_check_every`` steps (on CUDA the
     time a CUDA event on the decode stream completed, converted to the host clock). They time decode
     without adding synchronisation, and tell how fast decode ran before and after concurrent work ended
-    (Eq. 1's ΔD). ``steps`` counts steps run, which can exceed R − 1: replays are whole, and on CUDA
-    one more replay is queued before the host sees that every row has finished.
+    (Eq. 1's ΔD). ``steps`` counts steps run, which can exceed R − 1: rounds are whole, and on CUDA
+    one more round is queued before the host sees that every row has finished.
     """
 
     marks: list[tuple[int, float]] = field(default_factory=list)

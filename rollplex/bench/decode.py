@@ -158,7 +158,7 @@ def run_decode_bench(cfg: DecodeBenchConfig, out: Path | None = None) -> DecodeB
 
 def profile_steps(model, prefix, group_size: int, params: SamplingParams, steps: int) -> str:
     """torch.profiler table (top 30 by device time) of about ``steps`` decode steps as rollout runs
-    them — whole CUDA-graph replays of ``eos_check_every`` steps, each step the forward, the sampling of
+    them — whole rounds of ``eos_check_every`` graph replays, each step the forward, the sampling of
     the next token and its recording — taken from the middle of the budget (the mean own-key length)."""
     from torch.profiler import ProfilerActivity, profile
 
@@ -167,20 +167,18 @@ def profile_steps(model, prefix, group_size: int, params: SamplingParams, steps:
     token = torch.zeros(rows, dtype=torch.long, device=device)
     decoder = StaticDecoder(model, prefix, group_size, params, record, token)
     decoder.capture()
-    replays = min(decoder.replays_total, max(1, -(-steps // decoder.steps_per_replay)))
-    first = (decoder.replays_total - replays) // 2
+    rounds = min(decoder.rounds_total, max(1, -(-steps // decoder.steps_per_round)))
+    first = (decoder.rounds_total - rounds) // 2
     for _ in range(first):
         decoder.advance()
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        for _ in range(replays):
+        for _ in range(rounds):
             decoder.advance()
         torch.cuda.synchronize()
     table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=30, max_name_column_width=70)
-    profiled = replays * decoder.steps_per_replay
-    return (
-        f"{profiled} decode steps from step {first * decoder.steps_per_replay} ({replays} replays)\n{table}"
-    )
+    profiled = rounds * decoder.steps_per_round
+    return f"{profiled} decode steps from step {first * decoder.steps_per_round} ({rounds} rounds)\n{table}"
 
 
 class _NoText:

@@ -2,14 +2,15 @@
 
 Legend: G groups, N group size, B = G·N rows, H query heads, Hkv key/value heads, D head dim,
 Hd hidden size, V vocabulary, P padded prompt length, R response budget (the cache holds R rounded up
-to whole replays, ``decode_steps``), L own-key window.
+to whole rounds, ``decode_steps``), L own-key window.
 
 Every buffer the step reads or writes is allocated once per rollout (the boundary KV of the rollout
 prefix, a [B, Hkv, R, D] cache of generated keys/values per layer, the token and step index, the
 recorded responses and log-probs), so the step has the same shapes and addresses at every token. On
-CUDA, ``eos_check_every`` steps — forward, sampling, recording — are therefore captured as one CUDA
-graph per own-key window L (a multiple of ``window`` tokens, so a step reads at most ``window - 1``
-masked cache slots) and replayed; the layer functions can also be compiled (torch.compile) first.
+CUDA a whole step — forward, sampling, recording — is therefore captured as one CUDA graph per own-key
+window L (a multiple of ``window`` tokens, so a step reads at most ``window - 1`` masked cache slots)
+and replayed ``eos_check_every`` times per round of the decode loop with no host work in between; the
+layer functions can also be compiled (torch.compile) first.
 
 The arithmetic is the Qwen2.5-VL decoder layer of transformers (RMSNorm, q/k/v with bias, rotary
 embedding, o_proj, SiLU-gated MLP), written here as one pure function of the layer's tensors so that it
@@ -211,8 +212,8 @@ class SamplingParams:
 
     Fields: temperature (0 = greedy), top_p in (0, 1], top_k (0 = off), max_tokens R (response budget),
     eos_ids (any of them ends a response), pad_id (fills finished rows), banned_ids int64 [k],
-    eos_check_every (decode steps per CUDA-graph replay; the host checks "every row finished" once
-    per replay), cuda_graphs (replay the decode steps as CUDA graphs), compile (torch.compile the step
+    eos_check_every (decode steps per round; the host checks "every row finished" once per round),
+    cuda_graphs (replay the decode step as CUDA graphs), compile (torch.compile the step
     before capture), graph_window (own-key window granularity of the captured steps, tokens),
     attention (decode attention backend, "auto", "dense" or "triton"; ``StaticDecoder``),
     fused_projections (one q/k/v and one gate/up product per layer from concatenated weight copies),
@@ -272,12 +273,12 @@ class SamplingParams:
 
 
 def decode_steps(params: SamplingParams) -> tuple[int, int]:
-    """(replays, steps) of the decode loop at most: the R − 1 tokens after the first one, in whole
-    replays of K = ``eos_check_every`` steps (the last replay may run past R; those positions are
-    never read)."""
-    per_replay = max(1, params.eos_check_every)
-    replays = -(-max(0, params.max_tokens - 1) // per_replay)
-    return replays, replays * per_replay
+    """(rounds, steps) of the decode loop at most: the R − 1 tokens after the first one, in whole
+    rounds of K = ``eos_check_every`` steps (the last round may run past R; those positions are never
+    read)."""
+    per_round = max(1, params.eos_check_every)
+    rounds = -(-max(0, params.max_tokens - 1) // per_round)
+    return rounds, rounds * per_round
 
 
 @dataclass
@@ -329,8 +330,9 @@ class StaticDecoder:
 
     One decode step: the forward of each row's current token (its keys/values go into the cache),
     sampling of the next token on the device (``SamplingParams.sample``) and recording it
-    (``DecodeRecord.write``). ``advance()`` runs ``eos_check_every`` steps; on CUDA with graphs they
-    are one CUDA-graph replay (one graph per own-key window), so no host work happens per token.
+    (``DecodeRecord.write``). ``advance()`` runs a round of ``eos_check_every`` steps; on CUDA with
+    graphs, that many replays of the step's CUDA graph (one graph per own-key window), queued with no
+    host work per token beyond the launch.
     Steps are counted on the device: step s consumes the token at response position s and records
     position s + 1.
 
@@ -365,8 +367,8 @@ class StaticDecoder:
             raise ValueError(f"decode supports hidden_act 'silu', got {config.hidden_act!r}")
         if getattr(config, "use_sliding_window", False):
             raise ValueError("decode attends to every key; the model config has use_sliding_window on")
-        self.steps_per_replay = max(1, params.eos_check_every)
-        self.replays_total, self.steps_total = decode_steps(params)
+        self.steps_per_round = max(1, params.eos_check_every)
+        self.rounds_total, self.steps_total = decode_steps(params)
         if record.responses.shape[1] < self.steps_total + 1:
             raise ValueError(
                 f"decode record has {record.responses.shape[1]} columns, needs {self.steps_total + 1}"
@@ -410,17 +412,17 @@ class StaticDecoder:
             self.layer_fns = _compiled_layer()
         self.use_graphs = params.cuda_graphs and use_cuda
         self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.replays = 0
-        self.steps_done = 0  # host count; a multiple of steps_per_replay with graphs
+        self.rounds = 0
+        self.steps_done = 0  # host count; a multiple of steps_per_round with graphs
 
     def own_window(self, step: int) -> int:
         """Own-key window L for the token at ``step``: the smallest multiple of ``window`` > step (≤ the
         cache length)."""
         return min(self.shape.budget, (step // self.window + 1) * self.window)
 
-    def replay_window(self, replay: int) -> int:
-        """Own-key window of every step of replay ``replay``: that of its last step (windows only grow)."""
-        return self.own_window((replay + 1) * self.steps_per_replay - 1)
+    def round_window(self, index: int) -> int:
+        """Own-key window of every step of round ``index``: that of its last step (windows only grow)."""
+        return self.own_window((index + 1) * self.steps_per_round - 1)
 
     def _forward(self, length: int) -> torch.Tensor:
         """Logits [B, V] of the token in ``self.token`` at response position ``self.step_index``."""
@@ -462,7 +464,7 @@ class StaticDecoder:
 
     @torch.no_grad()
     def capture(self) -> None:
-        """Warm up and capture one CUDA graph of ``steps_per_replay`` steps per own-key window (no-op
+        """Warm up and capture one CUDA graph of one decode step per own-key window (no-op
         without graphs). Call before other threads put work on the device: capture must not
         interleave with their allocations.
 
@@ -475,9 +477,9 @@ class StaticDecoder:
         Raises:
             RuntimeError: this torch cannot register a generator with a CUDA graph.
         """
-        if not self.use_graphs or self.replays_total == 0:
+        if not self.use_graphs or self.rounds_total == 0:
             return
-        lengths = sorted({self.replay_window(r) for r in range(self.replays_total)})
+        lengths = sorted({self.round_window(r) for r in range(self.rounds_total)})
         current = torch.cuda.current_stream(self.token.device)
         warm = torch.cuda.Stream(self.token.device, priority=current.priority)
         warm.wait_stream(current)
@@ -499,8 +501,7 @@ class StaticDecoder:
                     graph.register_generator_state(self.generator)
                 graph.capture_begin(pool=pool)
                 try:
-                    for _ in range(self.steps_per_replay):
-                        self._step(length)
+                    self._step(length)
                 finally:
                     graph.capture_end()
                 pool = graph.pool()
@@ -540,29 +541,31 @@ class StaticDecoder:
 
     @torch.no_grad()
     def advance(self) -> int:
-        """Run the next ``steps_per_replay`` decode steps (fewer for the last replay without graphs);
+        """Run the next ``steps_per_round`` decode steps (fewer for the last round without graphs);
         returns the number of steps run so far. Queues device work only.
 
         Raises:
-            RuntimeError: every replay has run, or graphs are on and ``capture()`` has not run
+            RuntimeError: every round has run, or graphs are on and ``capture()`` has not run
                 (capturing here, possibly while another thread uses the device, is never done
                 implicitly).
         """
-        if self.replays >= self.replays_total:
-            raise RuntimeError(f"all {self.replays_total} decode replays have run")
-        length = self.replay_window(self.replays)
+        if self.rounds >= self.rounds_total:
+            raise RuntimeError(f"all {self.rounds_total} decode rounds have run")
+        length = self.round_window(self.rounds)
         if self.use_graphs:
             if length not in self._graphs:
                 raise RuntimeError(
                     f"no captured decode graph for own-key window {length}: call capture() first"
                 )
-            self._graphs[length].replay()
-            steps = self.steps_per_replay
+            graph = self._graphs[length]
+            for _ in range(self.steps_per_round):
+                graph.replay()
+            steps = self.steps_per_round
         else:
-            steps = min(self.steps_per_replay, self.params.max_tokens - 1 - self.steps_done)
+            steps = min(self.steps_per_round, self.params.max_tokens - 1 - self.steps_done)
             for _ in range(steps):
                 self._step(length)
-        self.replays += 1
+        self.rounds += 1
         self.steps_done += steps
         return self.steps_done
 

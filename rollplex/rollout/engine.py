@@ -5,9 +5,9 @@ Legend: G groups, N group size, B = G·N rows, R response budget, Hkv key/value 
 The prompt of a group is prefilled once (models.forward.prefix_forward, the rollout prefix) and its
 boundary KV is read by all N samples without being copied; generated tokens go into a static
 [B, Hkv, R, D] cache per layer. Forward, sampling and recording of ``eos_check_every`` steps run on the
-device (rollout.decode.StaticDecoder, one CUDA-graph replay on CUDA); after each replay the host reads
-the previous replay's "every row finished" flag to stop early, and CUDA events at the replay
-boundaries record how far decode had come when (``DecodeTimeline``).
+device (rollout.decode.StaticDecoder, replays of the step's CUDA graph on CUDA); after each such round
+the host reads the previous round's "every row finished" flag to stop early, and CUDA events at the
+round boundaries record how far decode had come when (``DecodeTimeline``).
 
 Log-probs are recorded with the trainer's definition (rollout.sampler.token_logprobs over the full
 vocabulary at the sampling temperature, vision ids banned: field cases B05, B08); the fused sampling
@@ -32,8 +32,8 @@ class _DecodeClock:
     """The decode timeline's marks without a host synchronisation per mark: CUDA events on the decode
     stream, converted to host seconds once decode has ended (on the CPU, the host clock at the mark).
 
-    ``lag``: replays between queuing a replay and reading its "every row finished" flag — 1 on CUDA,
-    so the device always has the next replay queued; 0 on the CPU, where every step is synchronous."""
+    ``lag``: rounds between queuing a round and reading its "every row finished" flag — 1 on CUDA, so
+    the device always has the next round queued; 0 on the CPU, where every step is synchronous."""
 
     def __init__(self, device: torch.device):
         self.cuda = device.type == "cuda"
@@ -69,18 +69,18 @@ class _DecodeClock:
 
 
 def _decode(decoder: StaticDecoder, record: DecodeRecord, clock: _DecodeClock, flags: torch.Tensor) -> None:
-    """Replay until every row has finished or the budget is spent. The "all finished" flag of replay r
-    goes to ``flags[r]`` (bool [replays], pinned host memory on CUDA) and is read ``clock.lag`` replays
+    """Run rounds until every row has finished or the budget is spent. The "all finished" flag of round
+    r goes to ``flags[r]`` (bool [rounds], pinned host memory on CUDA) and is read ``clock.lag`` rounds
     later, so on CUDA the device never waits for the host."""
     lag = clock.lag
-    while decoder.replays < decoder.replays_total:
-        replay = decoder.replays
+    while decoder.rounds < decoder.rounds_total:
+        index = decoder.rounds
         steps = decoder.advance()
-        flags[replay].copy_(record.done.all(), non_blocking=True)
+        flags[index].copy_(record.done.all(), non_blocking=True)
         clock.mark(steps)
-        if replay >= lag:
-            clock.wait(replay - lag)
-            if bool(flags[replay - lag]):
+        if index >= lag:
+            clock.wait(index - lag)
+            if bool(flags[index - lag]):
                 break
 
 
@@ -123,8 +123,8 @@ def generate(
         decoder = StaticDecoder(model, prefix, group_size, params, record, token, generator)
         decoder.capture()
     clock = _DecodeClock(device)
-    replays = decoder.replays_total if decoder is not None else 0
-    flags = torch.zeros(replays, dtype=torch.bool, pin_memory=clock.cuda)
+    rounds = decoder.rounds_total if decoder is not None else 0
+    flags = torch.zeros(rounds, dtype=torch.bool, pin_memory=clock.cuda)
     if before_decode is not None:
         before_decode()
     if decoder is not None:

@@ -146,9 +146,9 @@ def test_same_seed_same_rollout(models):
 
 
 def test_decode_timeline_counts_decode_steps(models):
-    """The timeline starts before the first decode step, marks the end of every replay of
+    """The timeline starts before the first decode step, marks the end of every round of
     ``eos_check_every`` steps and ends after the last step (the first token comes from the prefix, so R
-    tokens take R - 1 decode steps; without graphs the last replay runs only the steps left)."""
+    tokens take R - 1 decode steps; without graphs the last round runs only the steps left)."""
     batch = _rollout(models[0], _prompts(), _params(max_tokens=10, eos_check_every=4))
     steps = [s for s, _ in batch.timeline.marks]
     times = [t for _, t in batch.timeline.marks]
@@ -158,14 +158,14 @@ def test_decode_timeline_counts_decode_steps(models):
 
 def test_decode_stops_once_every_row_has_finished(models):
     """Every token ends a response: all rows finish at position 0, and the loop stops after the
-    replay whose flag says so instead of running the whole budget."""
+    round whose flag says so instead of running the whole budget."""
     batch = _rollout(models[0], _prompts(), _params(max_tokens=40, eos=tuple(range(1000)), eos_check_every=4))
     assert batch.timeline.steps == 4
     assert (batch.response_lens == 1).all() and not batch.truncated.any()
 
 
-def test_flag_read_one_replay_late_changes_only_when_decode_stops(models, monkeypatch):
-    """CUDA reads each replay's "all finished" flag one replay late: one more replay runs, and the
+def test_flag_read_one_round_late_changes_only_when_decode_stops(models, monkeypatch):
+    """CUDA reads each round's "all finished" flag one round late: one more round runs, and the
     rollout it returns is the same (the extra steps only pad finished rows)."""
     from rollplex.rollout import engine
 

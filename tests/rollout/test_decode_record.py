@@ -1,5 +1,5 @@
 """DecodeRecord.write against hand-computed buffers: padding after a row's end, lengths at the EOS,
-nothing counted at positions past the budget (scratch columns of the last replay)."""
+nothing counted at positions past the budget (scratch columns of the last round)."""
 
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ def _write(record, tokens, logprobs, position):
 
 def test_write_pads_after_the_end_and_ignores_positions_past_the_budget():
     record = DecodeRecord.empty(3, _params(eos_check_every=4), "cpu", torch.float32)
-    assert record.responses.shape == (3, 5)  # 2 decode steps round up to one replay of 4: columns 0..4
+    assert record.responses.shape == (3, 5)  # 2 decode steps round up to one round of 4: columns 0..4
     _write(record, [5, 7, 6], [-1.0, -2.0, -3.0], 0)  # row 1 ends at position 0
     _write(record, [9, 4, 6], [-0.5, -0.25, -0.125], 1)  # row 0 ends at 1; row 1 is padded
     _write(record, [3, 3, 3], [-4.0, -4.0, -4.0], 2)
@@ -31,7 +31,7 @@ def test_write_pads_after_the_end_and_ignores_positions_past_the_budget():
     assert record.done.tolist() == [True, True, False]
 
 
-def test_decode_steps_round_up_to_whole_replays():
+def test_decode_steps_round_up_to_whole_rounds():
     assert decode_steps(_params(max_tokens=512, eos_check_every=16)) == (32, 512)
     assert decode_steps(_params(max_tokens=10, eos_check_every=4)) == (3, 12)
     assert decode_steps(_params(max_tokens=1, eos_check_every=4)) == (0, 0)
