@@ -257,19 +257,21 @@ class SamplingParams:
             fused_sampling=rollout.fused_sampling,
         )
 
+    def race_options(self) -> dict:
+        """The keyword arguments of ``rollout.sampler.race_tokens`` (and ``sample_tokens``) these
+        settings give."""
+        return {
+            "temperature": self.temperature,
+            "top_p": self.top_p,
+            "top_k": self.top_k,
+            "banned_ids": self.banned_ids,
+        }
+
     def sample(self, logits: torch.Tensor, generator=None, race=None) -> tuple[torch.Tensor, torch.Tensor]:
         """(tokens int64 [B], log-probs float32 [B]) of logits [B, V] under these settings
         (rollout.sampler.sample_tokens, ``race`` as there); no host synchronisation, so it can be
         captured."""
-        return sample_tokens(
-            logits,
-            temperature=self.temperature,
-            top_p=self.top_p,
-            top_k=self.top_k,
-            banned_ids=self.banned_ids,
-            generator=generator,
-            race=race,
-        )
+        return sample_tokens(logits, generator=generator, race=race, **self.race_options())
 
 
 def decode_steps(params: SamplingParams) -> tuple[int, int]:
@@ -525,14 +527,7 @@ class StaticDecoder:
         p = self.params
         noise = None if p.temperature == 0 else torch.ones_like(logits, dtype=torch.float32)
         try:
-            self.race(
-                logits,
-                noise,
-                temperature=p.temperature,
-                banned_ids=p.banned_ids,
-                top_p=p.top_p,
-                top_k=p.top_k,
-            )
+            self.race(logits, noise, **p.race_options())
         except Exception as err:  # noqa: BLE001 - any compiler failure leaves a working eager path
             if self.race is race_tokens:
                 raise
