@@ -45,7 +45,9 @@ def _train(args: argparse.Namespace) -> None:
     from rollplex.config import format_config_help, load_config, validate_for_training
 
     if args.help_config:
-        print(format_config_help())
+        from rollplex.defaults import default_run_config
+
+        print(format_config_help(default_run_config(prepare=False)))
         return
     config, overrides = split_train_args(args.items)
     base = None
@@ -252,7 +254,11 @@ def _add_train(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--overwrite", action="store_true", help="start over in a run folder that already holds a run"
     )
-    p.add_argument("--help-config", action="store_true", help="list every config field and exit")
+    p.add_argument(
+        "--help-config",
+        action="store_true",
+        help="list every config field (and where the embedded default job differs) and exit",
+    )
     p.set_defaults(handler=_train)
 
 

@@ -552,8 +552,18 @@ def field_docs() -> list[tuple[str, str, Any, str]]:
     return rows
 
 
-def format_config_help() -> str:
-    """Every config field with its type, default and description, one per line."""
+def format_config_help(job: dict | None = None) -> str:
+    """Every config field with its type, default and description, one per line; where the nested config
+    dict ``job`` (e.g. the embedded default run's) sets a field to another value, that value follows
+    as ``(default job: ...)``."""
     rows = field_docs()
     width = max(len(p) for p, *_ in rows)
-    return "\n".join(f"{p:<{width}}  {t} = {d!r}  {h}" for p, t, d, h in rows)
+    lines = []
+    for path, type_name, default, text in rows:
+        section, name = path.split(".", 1)
+        line = f"{path:<{width}}  {type_name} = {default!r}  {text}"
+        value = (job or {}).get(section, {}).get(name, default)
+        if value != default:
+            line += f"  (default job: {value!r})"
+        lines.append(line)
+    return "\n".join(lines)

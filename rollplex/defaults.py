@@ -76,9 +76,14 @@ def prepare_default(root: Path | None = None) -> tuple[Path, Path]:
     return model, data
 
 
-def default_run_config(root: Path | None = None) -> dict:
-    """The nested config dict of the default run (prepares its cache first)."""
-    model, data = prepare_default(root)
+def default_run_config(root: Path | None = None, prepare: bool = True) -> dict:
+    """The nested config dict of the default run; ``prepare`` builds its cache first (without it the
+    paths point where the cache would be, for listing the settings)."""
+    if prepare:
+        model, data = prepare_default(root)
+    else:
+        base = (root or cache_root()) / CACHE_VERSION
+        model, data = base / "model", base / "data"
     pixels = WIDTH * HEIGHT
     return {
         "run": {"out_dir": "runs/default", "steps": 200, "save_every": 50, "seed": 0},

@@ -97,10 +97,15 @@ def test_missing_required_field_is_reported(tmp_path, trained, capsys):
     assert capsys.readouterr().err == "rollplex: error: model.path is required (got '')\n"
 
 
-def test_help_config_lists_fields(capsys):
+def test_help_config_lists_fields_and_the_default_job(capsys, tmp_path, monkeypatch):
+    """Every field, and the embedded default job's value where it differs; nothing is built for it."""
+    monkeypatch.setenv("ROLLPLEX_CACHE", str(tmp_path))
     assert main(["train", "--help-config"]) == 0
-    out = capsys.readouterr().out
-    assert "rollout.group_size" in out and "optim.max_grad_norm" in out
+    lines = {line.split()[0]: line for line in capsys.readouterr().out.splitlines()}
+    assert "rollout.group_size" in lines and "optim.max_grad_norm" in lines
+    assert lines["rollout.max_response_tokens"].endswith("(default job: 1)")
+    assert "default job" not in lines["rollout.group_size"]  # 8 in both
+    assert not any(tmp_path.iterdir())
 
 
 def test_data_synth_dispatch(tmp_path, monkeypatch, capsys):
@@ -254,11 +259,16 @@ def test_bench_schedule_options_reach_the_config(monkeypatch):
             "schedule",
             "--no-compile-decode",
             "--no-fused-projections",
+            "--no-fused-sampling",
             "--vision-attention",
-            "batched",
+            "per_chunk",
         ]
     )
-    assert (seen[0].compile_decode, seen[0].fused_projections) == (True, True)
+    assert (seen[0].compile_decode, seen[0].fused_projections, seen[0].fused_sampling) == (True, True, True)
     assert (seen[0].rows, seen[0].auto_trials, seen[0].decode_attention) == (("serial", "both"), 1, "triton")
-    assert (seen[1].compile_decode, seen[1].fused_projections) == (False, False)
-    assert (seen[0].vision_attention, seen[1].vision_attention) == ("per_chunk", "batched")
+    assert (seen[1].compile_decode, seen[1].fused_projections, seen[1].fused_sampling) == (
+        False,
+        False,
+        False,
+    )
+    assert (seen[0].vision_attention, seen[1].vision_attention) == ("batched", "per_chunk")

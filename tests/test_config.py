@@ -32,7 +32,7 @@ SPEC_DEFAULTS = {
         "decode_priority": True, "prefix_chunk_groups": 0, "prefix_sm_carveout": 0, "auto_trials": 2, "progress": True,
         "log_every": 10,
     },
-    "model": {"path": "", "freeze_vision": False, "gradient_checkpointing": False, "vision_attention": "per_chunk"},
+    "model": {"path": "", "freeze_vision": False, "gradient_checkpointing": False, "vision_attention": "batched"},
     "data": {
         "train_path": "", "val_path": "", "data_root": "", "template": "video_r1", "max_prompt_tokens": 8192,
         "shuffle": True, "video_fps": 2.0, "video_min_frames": 4, "video_max_frames": 16,
@@ -47,6 +47,7 @@ SPEC_DEFAULTS = {
         "graph_window": 128,
         "decode_attention": "auto",
         "fused_projections": True,
+        "fused_sampling": True,
     },
     "algo": {
         "normalize_std": True, "clip_low": 0.2, "clip_high": 0.28, "kl_coef": 0.04, "kl_estimator": "k3",
@@ -250,6 +251,9 @@ def test_every_field_has_a_help_line():
     help_text = format_config_help()
     assert len(help_text.splitlines()) == n_fields
     assert "rollout.top_p" in help_text and "(0, 1]" in help_text
+    job = format_config_help({"rollout": {"top_k": 5, "top_p": 1.0}}).splitlines()
+    assert [line.split()[0] for line in job if "(default job:" in line] == ["rollout.top_k"]
+    assert next(line for line in job if line.startswith("rollout.top_k")).endswith("(default job: 5)")
 
 
 def test_resolve_device(monkeypatch):
