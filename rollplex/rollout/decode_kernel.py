@@ -4,24 +4,27 @@ Legend: G groups, N group size, B = G·N rows, H query heads, Hkv key/value head
 D head dim, P padded prompt length, L own-key window.
 
 The dense decode attention (rollout.decode.decode_attention) writes float32 score tensors
-[B, Hkv, rep, P + L] to memory and reads them back several times per layer; on the 3B workload a kernel
-profile of the captured dense step found 5.8 of its 9.7 busy ms in those passes and the norms/RoPE. Here, as in flash-decoding, each program
-streams one chunk of keys through an online softmax and writes only a partial result (running max m,
-normaliser l, unnormalised output acc) per query; a merge kernel combines the partials:
+[B, Hkv, rep, P + L] to memory and reads them back several times per layer; on the 3B workload a
+kernel profile of the captured dense step found 5.8 of its 9.7 busy ms in those passes and the
+norms/RoPE. Here, as in flash-decoding, each program streams one chunk of keys through an online
+softmax and writes only a partial result (running max m, normaliser l, unnormalised output acc) per
+query; a merge kernel combines the partials:
 
     out = Σ_s exp(m_s − M) acc_s / Σ_s exp(m_s − M) l_s,   M = max_s m_s
 
-Prefix programs, one per (group, kv head, chunk of the boundary KV): the N·rep queries of the group
-that share a kv head are one [N·rep, D] block against each key block, so every boundary key is loaded
-once per group (prefix sharing) and the products run on tensor cores. Own-key programs, one per
-(row, kv head, chunk of the own-key window): the row's rep queries against its own keys 0..step (the
-step is read on the device, so the kernels can be captured in a CUDA graph and read no unwritten cache
-slot; chunks past the step store empty partials).
+One launch runs two kinds of programs. Prefix programs, one per (group, kv head, chunk of the boundary
+KV): the N·rep queries of the group that share a kv head are one [N·rep, D] block against each key
+block, so every boundary key is loaded once per group (prefix sharing) and the products run on tensor
+cores. Own-key programs, one per (row, kv head, chunk of the own-key window): the row's rep queries
+against its own keys 0..step (the step is read on the device, so the kernels can be captured in a
+CUDA graph and read no unwritten cache slot; chunks past the step store empty partials). The own-key
+program whose chunk holds the step first writes the step's key and value into the cache, so the step
+needs no separate cache write.
 
-The CUDA default (``rollout.decode_attention: auto``): on the 3B workload it takes the captured decode
-step from 10.6 to 7.2 ms (5.0 ms with torch.compile), measured on one H200 (docs/benchmarks.md).
-tests/rollout checks it against the dense path through Triton's interpreter on the CPU and, on CUDA,
-in bf16 at the 3B shape against float64.
+The CUDA default (``rollout.decode_attention: auto``): on the 3B workload the captured decode step
+takes 6.7 ms with it against 10.6 ms with the dense attention (4.5 against 8.7 ms with torch.compile),
+measured on one H200 (docs/benchmarks.md). tests/rollout checks it against the dense path through
+Triton's interpreter on the CPU and, on CUDA, in bf16 at the 3B shape against float64.
 """
 
 from __future__ import annotations
