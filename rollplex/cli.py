@@ -184,6 +184,7 @@ def _add_workload_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _add_bench(sub: argparse._SubParsersAction) -> None:
+    from rollplex.bench.variants import DECODE_VARIANTS
     from rollplex.config import DECODE_ATTENTION
 
     bench = sub.add_parser("bench", help="GPU benchmarks, measured side by side").add_subparsers(
@@ -231,12 +232,7 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(handler=_bench_schedule)
     p = bench.add_parser("decode", help="the decode step against its memory roofline")
     _add_workload_arguments(p)
-    p.add_argument(
-        "--variants",
-        help="comma-separated subset of eager,graphs,graphs+compile,graphs+triton,graphs+compile+triton,"
-        "graphs+compile+triton+fused "
-        "(default all)",
-    )
+    p.add_argument("--variants", help=f"comma-separated subset of {','.join(DECODE_VARIANTS)} (default all)")
     p.add_argument(
         "--profile-steps",
         type=int,

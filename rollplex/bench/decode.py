@@ -23,31 +23,13 @@ from pathlib import Path
 import torch
 
 from rollplex.bench.common import PromptShape, Workload, bench_device, random_model, synthetic_prompt
+from rollplex.bench.variants import DECODE_VARIANTS
 from rollplex.models.forward import prefix_forward
 from rollplex.models.presets import vision_special_ids
 from rollplex.rollout.decode import DecodeRecord, StaticDecoder
 from rollplex.rollout.engine import SamplingParams, generate
 
-VARIANTS = {
-    "eager": {"cuda_graphs": False, "attention": "dense"},
-    "graphs": {"cuda_graphs": True, "attention": "dense"},
-    "graphs+compile": {"cuda_graphs": True, "compile": True, "attention": "dense"},
-    "graphs+triton": {"cuda_graphs": True, "attention": "triton"},
-    "graphs+compile+triton": {"cuda_graphs": True, "compile": True, "attention": "triton"},
-    "graphs+compile+triton+fused": {
-        "cuda_graphs": True,
-        "compile": True,
-        "attention": "triton",
-        "fused_projections": True,
-    },
-    "graphs+compile+triton+fused+sampling": {
-        "cuda_graphs": True,
-        "compile": True,
-        "attention": "triton",
-        "fused_projections": True,
-        "fused_sampling": True,
-    },
-}
+VARIANTS = DECODE_VARIANTS
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,24 @@
+"""The decode variants of ``rollplex bench decode``: ``SamplingParams`` options per name, each adding one
+optimisation to the one before; the last is the CUDA default. Plain data, so the command line can list
+them without importing torch."""
+
+DECODE_VARIANTS = {
+    "eager": {"cuda_graphs": False, "attention": "dense"},
+    "graphs": {"cuda_graphs": True, "attention": "dense"},
+    "graphs+compile": {"cuda_graphs": True, "compile": True, "attention": "dense"},
+    "graphs+triton": {"cuda_graphs": True, "attention": "triton"},
+    "graphs+compile+triton": {"cuda_graphs": True, "compile": True, "attention": "triton"},
+    "graphs+compile+triton+fused": {
+        "cuda_graphs": True,
+        "compile": True,
+        "attention": "triton",
+        "fused_projections": True,
+    },
+    "graphs+compile+triton+fused+sampling": {
+        "cuda_graphs": True,
+        "compile": True,
+        "attention": "triton",
+        "fused_projections": True,
+        "fused_sampling": True,
+    },
+}
