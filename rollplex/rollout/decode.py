@@ -217,8 +217,8 @@ class SamplingParams:
     before capture), graph_window (own-key window granularity of the captured steps, tokens),
     attention (decode attention backend, "auto", "dense" or "triton"; ``StaticDecoder``),
     fused_projections (one q/k/v and one gate/up product per layer from concatenated weight copies),
-    fused_sampling (the decode steps' sampling race as Triton kernels, rollout.sample_kernel; CUDA or
-    the Triton interpreter, elsewhere the eager race).
+    fused_sampling (the decode steps' sampling race as Triton kernels, rollout.sample_kernel; on CUDA,
+    elsewhere the eager race: ``fused_sampling_runs``).
     """
 
     temperature: float
@@ -408,7 +408,7 @@ class StaticDecoder:
         self.attention = _check_attention(params.attention, device, self.shape)
         self.layer_fns: tuple[Callable, Callable, Callable] = EAGER_LAYER_FNS
         self.race: Callable = race_tokens
-        if params.fused_sampling and _triton_runs(device) and sample_kernel.triton is not None:
+        if params.fused_sampling and fused_sampling_runs(device):
             self.race = sample_kernel.fused_race
         if params.compile and use_cuda:
             self.layer_fns = _compiled_layer()
@@ -577,6 +577,13 @@ def _compiled_layer() -> tuple[Callable, Callable, Callable]:
     if _COMPILED is None:
         _COMPILED = (torch.compile(layer_qkv), torch.compile(layer_out), torch.compile(layer_post))
     return _COMPILED
+
+
+def fused_sampling_runs(device: torch.device) -> bool:
+    """Whether ``fused_sampling`` takes effect on ``device``: on CUDA where Triton is installed. (On the
+    CPU the eager race runs: Triton's interpreter would be far slower; tests/rollout checks the fused
+    race there directly, and a rollout test forces it through this function.)"""
+    return device.type == "cuda" and sample_kernel.triton is not None
 
 
 def _triton_runs(device: torch.device) -> bool:

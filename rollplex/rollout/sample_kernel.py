@@ -22,11 +22,11 @@ from __future__ import annotations
 
 import torch
 
-from rollplex.rollout.decode_kernel import _jit, tl, triton
+from rollplex.rollout.decode_kernel import _jit, _pow2, tl, triton
 from rollplex.rollout.sampler import race_tokens
 
-SPLITS = 32  # vocabulary slices per row
-BLOCK = 1024  # vocabulary entries per inner iteration
+SPLITS = 32  # vocabulary slices per row (at most: a small vocabulary takes fewer, a power of two)
+BLOCK = 1024  # vocabulary entries per inner iteration (at most: a short slice takes the next power of two)
 
 
 @_jit
@@ -116,18 +116,19 @@ def fused_race(
     if triton is None:
         raise ImportError("the fused sampling race needs Triton (installed with the CUDA builds of torch)")
     rows, vocab = logits.shape
-    slice_len = -(-vocab // SPLITS)
-    partial = {n: torch.empty(rows, SPLITS, device=logits.device, dtype=torch.float32) for n in "mls"}
-    index = torch.empty(rows, SPLITS, device=logits.device, dtype=torch.int64)
-    _race_partials[(rows, SPLITS)](
+    splits = min(SPLITS, _pow2(-(-vocab // BLOCK), least=2))
+    slice_len = -(-vocab // splits)
+    partial = {n: torch.empty(rows, splits, device=logits.device, dtype=torch.float32) for n in "mls"}
+    index = torch.empty(rows, splits, device=logits.device, dtype=torch.int64)
+    _race_partials[(rows, splits)](
         logits, noise, banned_ids, partial["m"], partial["l"], partial["s"], index, vocab, slice_len,
         float(temperature), logits.stride(0), noise.stride(0),
-        NB=banned_ids.numel(), S=SPLITS, BLOCK_=BLOCK,
+        NB=banned_ids.numel(), S=splits, BLOCK_=min(BLOCK, _pow2(slice_len)),
     )  # fmt: skip
     tokens = torch.empty(rows, device=logits.device, dtype=torch.int64)
     logprobs = torch.empty(rows, device=logits.device, dtype=torch.float32)
     _race_merge[(rows,)](
         logits, partial["m"], partial["l"], partial["s"], index, tokens, logprobs, float(temperature), logits.stride(0),
-        S=SPLITS,
+        S=splits,
     )  # fmt: skip
     return tokens, logprobs

@@ -73,9 +73,19 @@ def test_recorded_logprobs_equal_trainer_and_oracle_float64(models, window, fuse
 @pytest.mark.parametrize(
     ("attention", "fused_sampling"), [("dense", False), ("triton", False), ("triton", True)]
 )
-def test_step0_rollout_vs_trainer_float32(models, attention, fused_sampling):
+def test_step0_rollout_vs_trainer_float32(models, attention, fused_sampling, monkeypatch):
     """fp32 on CPU: rollout-recorded vs prefix+suffix log-probs agree to ≤ 1e-5, with the dense and
-    the fused (Triton, interpreted on the CPU) decode attention, and with the fused sampling race."""
+    the fused (Triton, interpreted on the CPU) decode attention, and with the fused sampling race (forced
+    on here: it runs on CUDA only otherwise)."""
+    from rollplex.rollout import decode
+
+    spy = []
+    if fused_sampling:
+        monkeypatch.setattr(decode, "fused_sampling_runs", lambda device: True)
+        race = decode.sample_kernel.fused_race
+        monkeypatch.setattr(
+            decode.sample_kernel, "fused_race", lambda *a, **k: spy.append(1) or race(*a, **k)
+        )
     if attention == "triton":
         pytest.importorskip("triton")
         if os.environ.get("TRITON_INTERPRET") != "1":
@@ -96,6 +106,7 @@ def test_step0_rollout_vs_trainer_float32(models, attention, fused_sampling):
     )
     diff = (trainer.detach() - batch.logprobs).abs()[batch.response_mask()]
     assert diff.max() <= 1e-5
+    assert len(spy) == (11 if fused_sampling else 0)  # one race per decode step
     ratio = torch.exp(trainer - trainer.detach())[batch.response_mask()]
     assert torch.equal(ratio, torch.ones_like(ratio))
 
