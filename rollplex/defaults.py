@@ -3,8 +3,8 @@
 ``rollplex train`` with no config uses it. On first use it writes, once, into the cache folder
 (``$ROLLPLEX_CACHE`` or ``~/.cache/rollplex``):
 
-    default-v1/model/   ``rollplex model init --preset tiny``
-    default-v1/data/    ``rollplex data synth`` (colour questions, canonical option order)
+    default-v3/model/   ``rollplex model init --preset tiny``   (``CACHE_VERSION``)
+    default-v3/data/    ``rollplex data synth`` (colour questions, canonical option order)
 
 The task: four-way multiple choice "what colour is the largest shape?" on 8-frame 112×112 clips (four
 frames sampled at 2 fps → 32 video tokens per prompt) with one large shape and up to three small ones.

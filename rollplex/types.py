@@ -136,8 +136,9 @@ class DecodeTimeline:
     device has caught up, then one at the end of every round of ``eos_check_every`` steps (on CUDA the
     time a CUDA event on the decode stream completed, converted to the host clock). They time decode
     without adding synchronisation, and tell how fast decode ran before and after concurrent work ended
-    (Eq. 1's ΔD). ``steps`` counts steps run, which can exceed R − 1: rounds are whole, and on CUDA
-    one more round is queued before the host sees that every row has finished.
+    (Eq. 1's ΔD). ``steps`` counts steps run: at most R − 1, and on CUDA one
+    round more than needed when every row finishes early (the host reads each round's flag one round
+    late).
     """
 
     marks: list[tuple[int, float]] = field(default_factory=list)

@@ -1,5 +1,6 @@
-"""The decode variants of ``rollplex bench decode``: ``SamplingParams`` options per name, each adding one
-optimisation to the one before; the last is the CUDA default. Plain data, so the command line can list
+"""The decode variants of ``rollplex bench decode``: ``SamplingParams`` options per name (eager; CUDA
+graphs; then torch.compile and the fused attention, alone and together; then fused projections and the
+fused sampling race on top); the last is the CUDA default. Plain data, so the command line can list
 them without importing torch."""
 
 DECODE_VARIANTS = {

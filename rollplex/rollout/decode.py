@@ -1,8 +1,7 @@
 """The decode step: one new token per row against the shared boundary KV, with static shapes.
 
 Legend: G groups, N group size, B = G·N rows, H query heads, Hkv key/value heads, D head dim,
-Hd hidden size, V vocabulary, P padded prompt length, R response budget (the cache holds R rounded up
-to whole rounds, ``decode_steps``), L own-key window.
+Hd hidden size, V vocabulary, P padded prompt length, R response budget, L own-key window.
 
 Every buffer the step reads or writes is allocated once per rollout (the boundary KV of the rollout
 prefix, a [B, Hkv, R, D] cache of generated keys/values per layer, the token and step index, the
@@ -275,21 +274,18 @@ class SamplingParams:
 
 
 def decode_steps(params: SamplingParams) -> tuple[int, int]:
-    """(rounds, steps) of the decode loop at most: the R − 1 tokens after the first one, in whole
-    rounds of K = ``eos_check_every`` steps (the last round may run past R; those positions are never
-    read)."""
-    per_round = max(1, params.eos_check_every)
-    rounds = -(-max(0, params.max_tokens - 1) // per_round)
-    return rounds, rounds * per_round
+    """(rounds, steps) of the decode loop at most: the R − 1 tokens after the first one, in rounds of
+    K = ``eos_check_every`` steps (the last round runs the steps left)."""
+    steps = max(0, params.max_tokens - 1)
+    return -(-steps // max(1, params.eos_check_every)), steps
 
 
 @dataclass
 class DecodeRecord:
     """What rollout records, in static device buffers written by the decode steps themselves.
 
-    Fields: responses int64 [B, W] (``pad_id`` after a row's end), logprobs float32 [B, W] (0 after a
-    row's end), lengths int64 [B] (R until the row samples an EOS id), done bool [B]; W >= R columns,
-    the ones from R on are scratch for steps past the budget and are never read. ``eos`` int64 [k].
+    Fields: responses int64 [B, R] (``pad_id`` after a row's end), logprobs float32 [B, R] (0 after a
+    row's end), lengths int64 [B] (R until the row samples an EOS id), done bool [B], ``eos`` int64 [k].
     """
 
     responses: torch.Tensor
@@ -302,9 +298,8 @@ class DecodeRecord:
 
     @classmethod
     def empty(cls, rows: int, params: SamplingParams, device, dtype) -> DecodeRecord:
-        """Buffers of ``rows`` rows, wide enough for every step ``decode_steps`` allows; nothing
-        recorded yet."""
-        width = max(params.max_tokens, decode_steps(params)[1] + 1)
+        """Buffers of ``rows`` rows and R columns, nothing recorded yet."""
+        width = params.max_tokens
         return cls(
             responses=torch.full((rows, width), params.pad_id, dtype=torch.long, device=device),
             logprobs=torch.zeros(rows, width, dtype=dtype, device=device),
@@ -342,7 +337,7 @@ class StaticDecoder:
         model: ``Qwen2_5_VLForConditionalGeneration`` (its language model and LM head are used).
         prefix: detached rollout prefix of the G groups (boundary KV [G, Hkv, P, D] per layer).
         group_size: N. params: budget R, sampling and decode options (``SamplingParams``).
-        record: the buffers the steps write, at least ``steps_total + 1`` columns wide.
+        record: the buffers the steps write, R columns wide.
         generator: device generator of the sampling (None: the default one); on CUDA with graphs it is
             registered with every captured graph, so replays draw the numbers eager steps would.
         token: int64 [B], the token at response position 0 (sampled from the prefix).
@@ -415,7 +410,7 @@ class StaticDecoder:
         self.use_graphs = params.cuda_graphs and use_cuda
         self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.rounds = 0
-        self.steps_done = 0  # host count; a multiple of steps_per_round with graphs
+        self.steps_done = 0  # host count of decode steps queued
 
     def own_window(self, step: int) -> int:
         """Own-key window L for the token at ``step``: the smallest multiple of ``window`` > step (≤ the
@@ -424,7 +419,7 @@ class StaticDecoder:
 
     def round_window(self, index: int) -> int:
         """Own-key window of every step of round ``index``: that of its last step (windows only grow)."""
-        return self.own_window((index + 1) * self.steps_per_round - 1)
+        return self.own_window(min((index + 1) * self.steps_per_round, self.steps_total) - 1)
 
     def _forward(self, length: int) -> torch.Tensor:
         """Logits [B, V] of the token in ``self.token`` at response position ``self.step_index``."""
@@ -536,8 +531,9 @@ class StaticDecoder:
 
     @torch.no_grad()
     def advance(self) -> int:
-        """Run the next ``steps_per_round`` decode steps (fewer for the last round without graphs);
-        returns the number of steps run so far. Queues device work only.
+        """Run the next ``steps_per_round`` decode steps (the last round: the steps left), as that many
+        graph replays or eager steps, which draw the same random numbers; returns the number of steps
+        run so far. Queues device work only.
 
         Raises:
             RuntimeError: every round has run, or graphs are on and ``capture()`` has not run
@@ -547,17 +543,15 @@ class StaticDecoder:
         if self.rounds >= self.rounds_total:
             raise RuntimeError(f"all {self.rounds_total} decode rounds have run")
         length = self.round_window(self.rounds)
+        steps = min(self.steps_per_round, self.steps_total - self.steps_done)
         if self.use_graphs:
             if length not in self._graphs:
                 raise RuntimeError(
                     f"no captured decode graph for own-key window {length}: call capture() first"
                 )
-            graph = self._graphs[length]
-            for _ in range(self.steps_per_round):
-                graph.replay()
-            steps = self.steps_per_round
+            for _ in range(steps):
+                self._graphs[length].replay()
         else:
-            steps = min(self.steps_per_round, self.params.max_tokens - 1 - self.steps_done)
             for _ in range(steps):
                 self._step(length)
         self.rounds += 1

@@ -6,8 +6,9 @@ The prompt of a group is prefilled once (models.forward.prefix_forward, the roll
 boundary KV is read by all N samples without being copied; generated tokens go into a static
 [B, Hkv, R, D] cache per layer. Forward, sampling and recording of ``eos_check_every`` steps run on the
 device (rollout.decode.StaticDecoder, replays of the step's CUDA graph on CUDA); after each such round
-the host reads the previous round's "every row finished" flag to stop early, and CUDA events at the
-round boundaries record how far decode had come when (``DecodeTimeline``).
+the host reads a round's "every row finished" flag to stop early (on CUDA the previous round's, so the
+device never waits), and CUDA events at the round boundaries record how far decode had come when
+(``DecodeTimeline``).
 
 Log-probs are recorded with the trainer's definition (rollout.sampler.token_logprobs over the full
 vocabulary at the sampling temperature, vision ids banned: field cases B05, B08); the fused sampling

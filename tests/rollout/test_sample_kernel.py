@@ -25,14 +25,18 @@ def _inputs(rows, vocab, dtype, seed, spread=4.0):
 @pytest.mark.parametrize(
     ("rows", "vocab", "dtype", "temperature"),
     [
-        (5, 300, torch.float32, 1.0),  # slices of 10: most splits hold one block
+        (5, 300, torch.float32, 1.0),  # two slices of 150 in one block each
         (3, SPLITS * 1024 + 77, torch.float32, 0.7),  # several blocks per slice, a ragged last slice
         (4, 5000, torch.bfloat16, 1.3),
+        (2, 1, torch.float32, 1.0),  # one id
+        (3, 15, torch.float32, 1.0),  # fewer ids than a block's minimum
+        (3, 2048, torch.float32, 0.9),  # a whole number of blocks
     ],
 )
 def test_fused_race_equals_the_eager_race(rows, vocab, dtype, temperature):
     logits, noise = _inputs(rows, vocab, dtype, seed=vocab)
-    banned = torch.tensor([1, 7, vocab - 1], device=DEVICE)
+    banned_ids = sorted({i for i in (1, 7, vocab - 1) if 0 < i < vocab})  # none for a one-id vocabulary
+    banned = torch.tensor(banned_ids, dtype=torch.long, device=DEVICE)
     args = dict(temperature=temperature, banned_ids=banned)
     tokens, logprobs = fused_race(logits, noise, **args)
     want_tokens, want_logprobs = race_tokens(logits, noise, **args)
