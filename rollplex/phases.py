@@ -51,6 +51,15 @@ class Roles:
         return self.sampling.temperature if self.sampling.temperature > 0 else 1.0
 
 
+def rollout_prefix(roles: Roles, prompts: list[Prompt], sampling: SamplingParams) -> PrefixState:
+    """The rollout prefix of ``prompts`` under θ_k: detached, last-position log-probs at the sampling
+    temperature (1 when greedy)."""
+    temperature = sampling.temperature if sampling.temperature > 0 else 1.0
+    return prefix_forward(
+        roles.actor, prompts, temperature=temperature, banned_ids=roles.banned_ids, attached=False
+    )
+
+
 def rollout_phase(
     roles: Roles,
     prompts: list[Prompt],
@@ -62,11 +71,8 @@ def rollout_phase(
     """N samples per prompt under θ_k, from ``prefix`` (a detached boundary, e.g. the actor's under
     prefill fusion) or from a rollout prefix computed here (no graph); ``before_decode`` runs once the
     decode step is ready (rollout.engine.generate)."""
-    temperature = sampling.temperature if sampling.temperature > 0 else 1.0
     if prefix is None:
-        prefix = prefix_forward(
-            roles.actor, prompts, temperature=temperature, banned_ids=roles.banned_ids, attached=False
-        )
+        prefix = rollout_prefix(roles, prompts, sampling)
     return generate(
         roles.actor,
         prompts,

@@ -2,8 +2,9 @@
 
 Who waits on what:
 
-    main thread / decode stream:  [rollout prefix][capture]──[decode ..............]──sync──join──▶ Phase 2
-    worker thread / prefix stream:                   └─start──[ref prefix][actor prefix]──sync─┘
+    main thread, main stream:     [rollout prefix]
+    main thread, decode stream:                   [capture]──[decode ..............]──sync──join──▶ Phase 2
+    worker thread, prefix stream:                          └─start──[ref prefix][actor prefix]──sync─┘
                                                                      join: the main stream waits on the
                                                                      decode and prefix streams; boundary
                                                                      tensors are marked as used by it
@@ -17,7 +18,10 @@ lifted as soon as decode ends so prefix work left over runs on the whole GPU.
 
 Stream-ordered memory: tensors allocated on the decode or worker stream and later used on the main
 stream are safe to free because each Phase 1 starts with those streams waiting on the main stream,
-which orders any reuse of their memory after every earlier main-stream use. The attached actor
+which orders any reuse of their memory after every earlier main-stream use. The caching allocator
+reuses freed memory only on the stream that allocated it, so the rollout prefill (without prefill
+fusion) runs on the main stream, where Phase 2 can reuse its transient memory, and only decode's own
+buffers come from the decode stream. The attached actor
 prefix's backward (Phase 2) runs its ops on the worker stream, where their forward ran; autograd orders
 those against the main stream itself.
 

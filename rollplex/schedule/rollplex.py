@@ -39,6 +39,7 @@ from rollplex.phases import (
     reference_phase,
     reward_phase,
     rollout_phase,
+    rollout_prefix,
     uses_reference,
 )
 from rollplex.schedule.concurrency import SideResult, SideWork, decode_stream, on_stream, stream_sync
@@ -156,6 +157,10 @@ def _overlapped(
     carveout = policy.sm_carveout if sampling.cuda_graphs else 0  # eager decode would be carved out too
     worker = SideWork(side, device, sm_carveout=carveout)
     start = timer.now()
+    if seed is None:
+        # the rollout prefill on the main stream, not the decode stream: the caching allocator reuses
+        # freed memory only on the stream that allocated it, and Phase 2 runs on the main stream
+        seed = rollout_prefix(roles, prompts, sampling)
     with on_stream(stream):
         try:
             rollout = rollout_phase(roles, prompts, n, sampling, prefix=seed, before_decode=worker.start)
