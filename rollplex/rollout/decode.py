@@ -294,7 +294,6 @@ class DecodeRecord:
     done: torch.Tensor
     eos: torch.Tensor
     pad_id: int
-    budget: int
 
     @classmethod
     def empty(cls, rows: int, params: SamplingParams, device, dtype) -> DecodeRecord:
@@ -307,17 +306,16 @@ class DecodeRecord:
             done=torch.zeros(rows, dtype=torch.bool, device=device),
             eos=torch.tensor(params.eos_ids, dtype=torch.long, device=device),
             pad_id=params.pad_id,
-            budget=params.max_tokens,
         )
 
     def write(self, token: torch.Tensor, logprob: torch.Tensor, position: torch.Tensor) -> None:
         """Record tokens int64 [B] and their log-probs [B] at response position ``position`` (int64 [1],
-        on the device): finished rows get pad / 0; a row whose token is an EOS id at a position < R
-        ends there (length = position + 1). Device ops only (capturable)."""
+        on the device, < R): finished rows get pad / 0; a row whose token is an EOS id ends there
+        (length = position + 1). Device ops only (capturable)."""
         self.responses.index_copy_(1, position, torch.where(self.done, self.pad_id, token)[:, None])
         self.logprobs.index_copy_(1, position, torch.where(self.done, 0.0, logprob)[:, None])
         is_eos = (token[:, None] == self.eos[None, :]).any(dim=-1)
-        finished = ~self.done & is_eos & (position < self.budget)
+        finished = ~self.done & is_eos
         self.lengths.copy_(torch.where(finished, position + 1, self.lengths))
         self.done.logical_or_(finished)
 

@@ -69,7 +69,7 @@ class _DecodeClock:
         return DecodeTimeline(marks)
 
 
-def _decode(decoder: StaticDecoder, record: DecodeRecord, clock: _DecodeClock, flags: torch.Tensor) -> None:
+def _decode(decoder: StaticDecoder, clock: _DecodeClock, flags: torch.Tensor) -> None:
     """Run rounds until every row has finished or the budget is spent. The "all finished" flag of round
     r goes to ``flags[r]`` (bool [rounds], pinned host memory on CUDA) and is read ``clock.lag`` rounds
     later, so on CUDA the device never waits for the host."""
@@ -77,7 +77,7 @@ def _decode(decoder: StaticDecoder, record: DecodeRecord, clock: _DecodeClock, f
     while decoder.rounds < decoder.rounds_total:
         index = decoder.rounds
         steps = decoder.advance()
-        flags[index].copy_(record.done.all(), non_blocking=True)
+        flags[index].copy_(decoder.record.done.all(), non_blocking=True)
         clock.mark(steps)
         if index >= lag:
             clock.wait(index - lag)
@@ -129,7 +129,7 @@ def generate(
     if before_decode is not None:
         before_decode()
     if decoder is not None:
-        _decode(decoder, record, clock, flags)
+        _decode(decoder, clock, flags)
     timeline = clock.timeline()
     lengths, done = record.lengths, record.done
     budget_used = int(lengths.max())
