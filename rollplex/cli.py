@@ -145,6 +145,7 @@ def _bench_schedule(args: argparse.Namespace) -> None:
         "auto_trials",
         "decode_attention",
         "compile_decode",
+        "compile_mode",
         "fused_projections",
         "fused_sampling",
     )
@@ -185,7 +186,7 @@ def _add_workload_arguments(p: argparse.ArgumentParser) -> None:
 
 def _add_bench(sub: argparse._SubParsersAction) -> None:
     from rollplex.bench.variants import DECODE_VARIANTS
-    from rollplex.config import DECODE_ATTENTION
+    from rollplex.config import COMPILE_MODES, DECODE_ATTENTION
 
     bench = sub.add_parser("bench", help="GPU benchmarks, measured side by side").add_subparsers(
         dest="bench_command", required=True
@@ -213,6 +214,7 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
         action=argparse.BooleanOptionalAction,
         help="torch.compile the decode step (default on)",
     )
+    p.add_argument("--compile-mode", choices=COMPILE_MODES, help="torch.compile mode of the decode step")
     p.add_argument(
         "--fused-projections",
         action=argparse.BooleanOptionalAction,

@@ -54,6 +54,7 @@ def _field(default: Any, help: str, **limits: Any) -> Any:
 
 VISION_ATTENTION = ("per_chunk", "batched")  # model.vision_attention (models.forward.prepare_model)
 DECODE_ATTENTION = ("auto", "dense", "triton")  # rollout.decode_attention (rollout.decode.StaticDecoder)
+COMPILE_MODES = ("default", "max-autotune")  # rollout.compile_mode (rollout.decode._compiled_layer)
 
 
 @dataclass(kw_only=True)
@@ -164,6 +165,13 @@ class RolloutConfig:
         True,
         "compile the decode step's layer function with torch.compile before capture (CUDA only; falls "
         "back to the uncompiled step with a warning if compilation fails)",
+    )
+    compile_mode: str = _field(
+        "default",
+        "torch.compile mode of the decode step: default (cuBLAS products) or max-autotune (inductor "
+        "benchmarks Triton templates against cuBLAS for each product once per process, then fuses what "
+        "it can into them; minutes of compilation on the first rollout)",
+        choices=COMPILE_MODES,
     )
     graph_window: int = _field(
         128, "own-key window of the captured decode steps, tokens (one graph per window)", ge=1

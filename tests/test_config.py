@@ -44,6 +44,7 @@ SPEC_DEFAULTS = {
         "top_k": 0,
         "cuda_graphs": True,
         "compile_decode": True,
+        "compile_mode": "default",
         "graph_window": 128,
         "decode_attention": "auto",
         "fused_projections": True,

@@ -63,6 +63,7 @@ class ScheduleBenchConfig(Workload):
     rows: tuple[str, ...] = MAIN_ROWS
     gradient_checkpointing: bool = True
     compile_decode: bool = True
+    compile_mode: str = "default"
     auto_trials: int = 2
     decode_attention: str = "auto"
     fused_projections: bool = True
@@ -114,6 +115,7 @@ class _Workload:
             "run.auto_trials": cfg.auto_trials,
             "rollout.decode_attention": cfg.decode_attention,
             "rollout.compile_decode": cfg.compile_decode,
+            "rollout.compile_mode": cfg.compile_mode,
             "rollout.fused_projections": cfg.fused_projections,
             "rollout.fused_sampling": cfg.fused_sampling,
             **{k: self.sms // 2 if v == "half" else v for k, v in overrides.items()},

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from rollplex.config import DECODE_ATTENTION
+from rollplex.config import COMPILE_MODES, DECODE_ATTENTION
 from rollplex.rollout import sample_kernel
 from rollplex.rollout.decode_kernel import fused_decode_attention, supports
 from rollplex.rollout.sampler import race_tokens, sample_tokens
@@ -213,7 +213,7 @@ class SamplingParams:
     eos_ids (any of them ends a response), pad_id (fills finished rows), banned_ids int64 [k],
     eos_check_every (decode steps per round; the host checks "every row finished" once per round),
     cuda_graphs (replay the decode step as CUDA graphs), compile (torch.compile the step
-    before capture), graph_window (own-key window granularity of the captured steps, tokens),
+    before capture), compile_mode (its torch.compile mode, config.COMPILE_MODES), graph_window (own-key window granularity of the captured steps, tokens),
     attention (decode attention backend, "auto", "dense" or "triton"; ``StaticDecoder``),
     fused_projections (one q/k/v and one gate/up product per layer from concatenated weight copies),
     fused_sampling (the decode steps' sampling race as Triton kernels, rollout.sample_kernel; on CUDA,
@@ -230,6 +230,7 @@ class SamplingParams:
     eos_check_every: int = 16
     cuda_graphs: bool = True
     compile: bool = False
+    compile_mode: str = "default"
     graph_window: int = 128
     attention: str = "auto"
     fused_projections: bool = False
@@ -250,6 +251,7 @@ class SamplingParams:
             banned_ids,
             cuda_graphs=rollout.cuda_graphs,
             compile=rollout.compile_decode,
+            compile_mode=rollout.compile_mode,
             graph_window=rollout.graph_window,
             attention=rollout.decode_attention,
             fused_projections=rollout.fused_projections,
@@ -404,7 +406,7 @@ class StaticDecoder:
         if params.fused_sampling and fused_sampling_runs(device):
             self.race = sample_kernel.fused_race
         if params.compile and use_cuda:
-            self.layer_fns = _compiled_layer()
+            self.layer_fns = _compiled_layer(params.compile_mode)
         self.use_graphs = params.cuda_graphs and use_cuda
         self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.rounds = 0
@@ -557,18 +559,25 @@ class StaticDecoder:
         return self.steps_done
 
 
-_COMPILED: tuple[Callable, Callable, Callable] | None = None
+_COMPILED: dict[str, tuple[Callable, Callable, Callable]] = {}
 
 
-def _compiled_layer() -> tuple[Callable, Callable, Callable]:
-    """``layer_qkv``, ``layer_out`` and ``layer_post`` under torch.compile, built once per process (the
-    cache write between them stays outside, so compiled code never mutates its inputs). The first
-    own-key window compiles for static shapes; a second window or prompt length recompiles once with
-    symbolic sizes."""
-    global _COMPILED
-    if _COMPILED is None:
-        _COMPILED = (torch.compile(layer_qkv), torch.compile(layer_out), torch.compile(layer_post))
-    return _COMPILED
+def _compiled_layer(mode: str = "default") -> tuple[Callable, Callable, Callable]:
+    """``layer_qkv``, ``layer_out`` and ``layer_post`` under torch.compile in ``mode`` (config.COMPILE_MODES;
+    "max-autotune" is inductor's max-autotune without its own CUDA graphs, since the decoder captures the
+    whole step itself), built once per process and mode (the cache write between them stays outside, so
+    compiled code never mutates its inputs). The first own-key window compiles for static shapes; a
+    second window or prompt length recompiles once with symbolic sizes.
+
+    Raises:
+        ValueError: an unknown mode.
+    """
+    if mode not in COMPILE_MODES:
+        raise ValueError(f"decode compile mode {mode!r}: expected one of {COMPILE_MODES}")
+    if mode not in _COMPILED:
+        options = {} if mode == "default" else {"mode": "max-autotune-no-cudagraphs"}
+        _COMPILED[mode] = tuple(torch.compile(fn, **options) for fn in (layer_qkv, layer_out, layer_post))
+    return _COMPILED[mode]
 
 
 def fused_sampling_runs(device: torch.device) -> bool:

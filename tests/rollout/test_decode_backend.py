@@ -40,3 +40,20 @@ def test_explicit_backends_and_unknown_names():
     assert _check_attention("dense", CUDA, _shape()) == "dense"
     with pytest.raises(ValueError, match="expected one of"):
         _check_attention("flash", CPU, _shape())
+
+
+def test_compile_modes_are_built_once_and_unknown_modes_named(monkeypatch):
+    """Each torch.compile mode of the decode step is built once per process with its inductor mode
+    ("max-autotune" without inductor's own CUDA graphs: the decoder captures the step itself)."""
+    from rollplex.rollout import decode
+
+    calls = []
+    monkeypatch.setattr(decode, "_COMPILED", {})
+    monkeypatch.setattr(decode.torch, "compile", lambda fn, **options: calls.append(options) or fn)
+    assert decode._compiled_layer("max-autotune") == decode.EAGER_LAYER_FNS
+    assert decode._compiled_layer("max-autotune") == decode.EAGER_LAYER_FNS
+    assert calls == [{"mode": "max-autotune-no-cudagraphs"}] * 3
+    decode._compiled_layer("default")
+    assert calls[3:] == [{}] * 3
+    with pytest.raises(ValueError, match="expected one of"):
+        decode._compiled_layer("reduce-overhead")
