@@ -391,6 +391,7 @@ class StaticDecoder:
         self.cache_v = [torch.zeros(cache_shape, dtype=keys.dtype, device=device) for _ in self.weights]
         self.token = token.to(device=device, dtype=torch.long).clone()
         self.step_index = torch.zeros(1, dtype=torch.long, device=device)
+        self.arrivals = torch.zeros(rows * self.shape.heads, dtype=torch.int32, device=device)
         self.first_position = prefix.next_position.repeat_interleave(group_size)
         self.prompt_lens_i32 = prefix.prompt_lens.to(torch.int32)
         p = keys.shape[2]
@@ -436,7 +437,7 @@ class StaticDecoder:
             if self.attention == "triton":  # the kernel writes k, v into the cache slot itself
                 lens, step = self.prompt_lens_i32, self.step_index
                 attention = fused_decode_attention(
-                    q, keys, values, lens, own_k, own_v, k, v, step, s.scaling, s.group_size
+                    q, keys, values, lens, own_k, own_v, k, v, step, s.scaling, s.group_size, self.arrivals
                 )
                 hidden = post(hidden, attention, weights, s)
             else:

@@ -49,15 +49,19 @@ def _dense(q, pk, pv, lens, own_k, own_v, step, shape):
     return decode_attention(q, pk, pv, torch.nan_to_num(own_k), torch.nan_to_num(own_v), bias, shape)
 
 
-def _fused(q, pk, pv, lens, own_k, own_v, step, scaling, n):
+def _fused(q, pk, pv, lens, own_k, own_v, step, scaling, n, **knobs):
     """The kernel as the decoder calls it: the step's key/value passed in and written by the kernel; the
-    slot holds NaN before, so reading it unwritten fails. Returns the output and checks the slot."""
+    slot holds NaN before, so reading it unwritten fails. Returns the output and checks the slot and
+    that the merge's arrival counts are back at zero."""
     new_k, new_v = own_k[:, :, step].clone(), own_v[:, :, step].clone()
     own_k[:, :, step] = own_v[:, :, step] = float("nan")
+    arrivals = torch.zeros(q.shape[0] * q.shape[1], dtype=torch.int32, device=DEVICE)
+    step_t = torch.tensor([step], device=DEVICE)
     out = fused_decode_attention(
-        q, pk, pv, lens, own_k, own_v, new_k, new_v, torch.tensor([step], device=DEVICE), scaling, n
+        q, pk, pv, lens, own_k, own_v, new_k, new_v, step_t, scaling, n, arrivals, **knobs
     )
     assert torch.equal(own_k[:, :, step], new_k) and torch.equal(own_v[:, :, step], new_v)
+    assert not arrivals.any()
     return out
 
 
@@ -70,6 +74,32 @@ def test_fused_equals_dense(seed, window, step):
     fused = _fused(q, pk, pv, lens, own_k, own_v, step, shape.scaling, shape.group_size)
     assert torch.isfinite(fused).all()
     assert (fused - dense).abs().max() <= TOL
+
+
+@pytest.mark.parametrize(
+    "knobs",
+    [
+        {"fold_merge": False},
+        {"prefix_chunk": 128, "own_chunk": 64},
+        {"prefix_chunk": 1024, "own_chunk": 512},
+        {"fold_merge": False, "prefix_chunk": 256, "own_chunk": 256},
+    ],
+)
+def test_tuning_knobs_change_no_result(knobs):
+    """The separate merge kernel and other chunk sizes (more or fewer partials per query) give the
+    dense result too."""
+    q, pk, pv, lens, own_k, own_v, step, shape = _case(5, window=300, step=200)
+    dense = _dense(q, pk, pv, lens, own_k, own_v, step, shape)
+    fused = _fused(q, pk, pv, lens, own_k, own_v, step, shape.scaling, shape.group_size, **knobs)
+    assert (fused - dense).abs().max() <= TOL
+
+
+def test_arrivals_must_fit():
+    q, pk, pv, lens, own_k, own_v, step, shape = _case(6)
+    new = (own_k[:, :, step].clone(), own_v[:, :, step].clone())
+    step_t, wrong = torch.tensor([step], device=DEVICE), torch.zeros(3, dtype=torch.int32, device=DEVICE)
+    with pytest.raises(ValueError, match="arrivals must be int32"):
+        fused_decode_attention(q, pk, pv, lens, own_k, own_v, *new, step_t, shape.scaling, 3, wrong)
 
 
 def test_step_zero_and_group_of_one_with_odd_heads():
@@ -104,12 +134,10 @@ def test_wrong_inputs_are_named():
         fused_decode_attention(q_strided, pk, pv, lens, own_k, own_v, *new, step_t, shape.scaling, 3)
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_bf16_at_the_3b_shape_against_float64():
-    """The GPU configuration (bf16, D = 128, 64 queries per block, 16 prefix chunks, a 512-key window)
-    against a float64 dense reference of the same bf16 inputs: ≤ 2e-2 max abs (bf16 inputs, float32
-    softmax, bf16 probabilities in the value product)."""
-    g, n, hkv, rep, d, p, window, step = 8, 8, 2, 8, 128, 3920, 512, 300
+def _inputs_3b(step: int = 300):
+    """bf16 CUDA inputs at the 3B workload's shape: 8 groups of 8, 2 kv heads of 8 queries, D = 128,
+    P = 3920 (8 prefix chunks, ragged prompt lengths, one of a single token), a 512-key window."""
+    g, n, hkv, rep, d, p, window = 8, 8, 2, 8, 128, 3920, 512
     lens = (3920, 3900, 3000, 3920, 2500, 3920, 3919, 1)
     gen = torch.Generator(device="cuda").manual_seed(0)
     rand = lambda *s: torch.randn(*s, generator=gen, device="cuda").to(torch.bfloat16)  # noqa: E731
@@ -118,12 +146,23 @@ def test_bf16_at_the_3b_shape_against_float64():
     for i, length in enumerate(lens):
         pk[i, :, length:] = pv[i, :, length:] = 0
     own_k, own_v = rand(g * n, hkv, window, d), rand(g * n, hkv, window, d)
-    fused = _fused(q, pk, pv, lens_t, own_k, own_v, step, d**-0.5, n)
     shape = DecodeShape(g, n, hkv * rep, hkv, d, window, d**-0.5, 1e-6)
+    return q, pk, pv, lens_t, own_k, own_v, step, shape
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_bf16_at_the_3b_shape_against_float64():
+    """The GPU configuration against a float64 dense reference of the same bf16 inputs: ≤ 2e-2 max abs
+    (bf16 inputs, float32 softmax, bf16 probabilities in the value product)."""
+    q, pk, pv, lens_t, own_k, own_v, step, shape = _inputs_3b()
+    p, window, rows = pk.shape[2], own_k.shape[2], q.shape[0]
+    fused = _fused(q, pk, pv, lens_t, own_k, own_v, step, shape.scaling, shape.group_size)
     hidden = torch.cat(
         [
-            (torch.arange(p, device="cuda")[None, :] >= lens_t[:, None]).repeat_interleave(n, 0),
-            (torch.arange(window, device="cuda")[None, :] > step).expand(g * n, -1),
+            (torch.arange(p, device="cuda")[None, :] >= lens_t[:, None]).repeat_interleave(
+                shape.group_size, 0
+            ),
+            (torch.arange(window, device="cuda")[None, :] > step).expand(rows, -1),
         ],
         dim=1,
     )
@@ -132,3 +171,19 @@ def test_bf16_at_the_3b_shape_against_float64():
     err = (fused.double() - ref).abs().max()
     print(f"fused bf16 vs float64 dense: max abs {float(err):.3g}")
     assert err <= 2e-2
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_folded_merge_is_deterministic_on_cuda():
+    """Whichever program completes a query merges its partials in a fixed order: 30 launches reusing
+    one arrival buffer (left at zero each time) give bitwise one result, within bf16 rounding of the
+    separate merge kernel's."""
+    q, pk, pv, lens_t, own_k, own_v, step, shape = _inputs_3b()
+    new = (own_k[:, :, step].clone(), own_v[:, :, step].clone())
+    args = (q, pk, pv, lens_t, own_k, own_v, *new, torch.tensor([step], device="cuda"), shape.scaling, 8)
+    arrivals = torch.zeros(q.shape[0] * q.shape[1], dtype=torch.int32, device="cuda")
+    outs = [fused_decode_attention(*args, arrivals) for _ in range(30)]
+    separate = fused_decode_attention(*args, fold_merge=False)
+    assert not arrivals.any()
+    assert all(torch.equal(out, outs[0]) for out in outs)
+    assert (outs[0].float() - separate.float()).abs().max() <= 1e-2

@@ -1,0 +1,89 @@
+"""Tuning sweep of the fused decode attention (rollplex.rollout.decode_kernel) at the 3B benchmark shape.
+
+For each setting (merge folded into the partials launch or a separate kernel; keys per prefix and own-key
+program) and a few decode steps, 36 calls (one per layer of the 3B model) are captured in a CUDA graph and
+replayed; the table gives microseconds per call and the key/value bytes it reads per microsecond.
+Usage (CUDA): python scripts/attention_sweep.py [--out sweep.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import math
+
+import torch
+
+from rollplex.rollout.decode_kernel import fused_decode_attention
+
+GROUPS, N, HKV, REP, D, PROMPT, LAYERS, WINDOW = 8, 8, 2, 8, 128, 4000, 36, 128
+
+
+def _inputs(step: int) -> tuple:
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    rand = lambda *s: torch.randn(*s, generator=gen, device="cuda").to(torch.bfloat16)  # noqa: E731
+    rows, window = GROUPS * N, (step // WINDOW + 1) * WINDOW
+    q, pk, pv = rand(rows, HKV * REP, D), rand(GROUPS, HKV, PROMPT, D), rand(GROUPS, HKV, PROMPT, D)
+    lens = torch.full((GROUPS,), PROMPT, dtype=torch.int32, device="cuda")
+    own_k, own_v = rand(rows, HKV, window, D), rand(rows, HKV, window, D)
+    new = (own_k[:, :, step].clone(), own_v[:, :, step].clone())
+    return q, pk, pv, lens, own_k, own_v, *new, torch.tensor([step], device="cuda"), D**-0.5, N
+
+
+def _bytes(step: int) -> int:
+    """Key/value bytes one call reads: every boundary key once per group, each row's own keys 0..step."""
+    return 2 * 2 * HKV * D * (GROUPS * PROMPT + GROUPS * N * (step + 1))
+
+
+def time_call(step: int, knobs: dict, replays: int = 20) -> float:
+    """Microseconds per call, from CUDA-graph replays of LAYERS calls."""
+    args = _inputs(step)
+    arrivals = torch.zeros(GROUPS * N * HKV * REP, dtype=torch.int32, device="cuda")
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fused_decode_attention(*args, arrivals, **knobs)  # compile
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(LAYERS):
+            fused_decode_attention(*args, arrivals, **knobs)
+    graph.replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(replays):
+        graph.replay()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) * 1e3 / (replays * LAYERS)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", help="write the table as JSON here")
+    parser.add_argument("--steps", default="64,256,500", help="decode steps (own keys 0..step)")
+    args = parser.parse_args()
+    steps = [int(s) for s in args.steps.split(",")]
+    settings = [
+        {"fold_merge": fold, "prefix_chunk": pc, "own_chunk": oc}
+        for fold, pc, oc in itertools.product((False, True), (256, 512, 1024), (128, 512))
+    ]
+    rows = []
+    print(f"{'fold':>5} {'prefix':>6} {'own':>4} " + " ".join(f"{'step ' + str(s):>16}" for s in steps))
+    for knobs in settings:
+        times = [time_call(step, knobs) for step in steps]
+        rows.append({**knobs, "us_per_call": dict(zip(steps, times, strict=True))})
+        cells = " ".join(
+            f"{t:7.2f} us {_bytes(s) / t / 1e3:4.0f}GB/s" for s, t in zip(steps, times, strict=True)
+        )
+        print(f"{knobs['fold_merge']!s:>5} {knobs['prefix_chunk']:>6} {knobs['own_chunk']:>4} {cells}")
+    best = min(rows, key=lambda r: math.fsum(r["us_per_call"].values()))
+    print(f"best over the steps: { ({k: v for k, v in best.items() if k != 'us_per_call'}) }")
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump({"gpu": torch.cuda.get_device_name(), "steps": steps, "rows": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
