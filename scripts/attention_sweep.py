@@ -1,7 +1,6 @@
 """Tuning sweep of the fused decode attention (rollplex.rollout.decode_kernel) at the 3B benchmark shape.
 
-For each setting (merge folded into the partials launch or a separate kernel; keys per prefix and own-key
-program) and a few decode steps, 36 calls (one per layer of the 3B model) are captured in a CUDA graph and
+For each setting (keys per prefix and per own-key program) and a few decode steps, 36 calls (one per layer of the 3B model) are captured in a CUDA graph and
 replayed; the table gives microseconds per call and the key/value bytes it reads per microsecond.
 Usage (CUDA): python scripts/attention_sweep.py [--out sweep.json]
 """
@@ -39,16 +38,15 @@ def _bytes(step: int) -> int:
 def time_call(step: int, knobs: dict, replays: int = 20) -> float:
     """Microseconds per call, from CUDA-graph replays of LAYERS calls."""
     args = _inputs(step)
-    arrivals = torch.zeros(GROUPS * N * HKV * REP, dtype=torch.int32, device="cuda")
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
-        fused_decode_attention(*args, arrivals, **knobs)  # compile
+        fused_decode_attention(*args, **knobs)  # compile
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         for _ in range(LAYERS):
-            fused_decode_attention(*args, arrivals, **knobs)
+            fused_decode_attention(*args, **knobs)
     graph.replay()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
@@ -66,18 +64,18 @@ def main() -> None:
     args = parser.parse_args()
     steps = [int(s) for s in args.steps.split(",")]
     settings = [
-        {"fold_merge": fold, "prefix_chunk": pc, "own_chunk": oc}
-        for fold, pc, oc in itertools.product((False, True), (256, 512, 1024), (128, 512))
+        {"prefix_chunk": pc, "own_chunk": oc}
+        for pc, oc in itertools.product((256, 512, 1024), (128, 256, 512))
     ]
     rows = []
-    print(f"{'fold':>5} {'prefix':>6} {'own':>4} " + " ".join(f"{'step ' + str(s):>16}" for s in steps))
+    print(f"{'prefix':>6} {'own':>4} " + " ".join(f"{'step ' + str(s):>16}" for s in steps))
     for knobs in settings:
         times = [time_call(step, knobs) for step in steps]
         rows.append({**knobs, "us_per_call": dict(zip(steps, times, strict=True))})
         cells = " ".join(
             f"{t:7.2f} us {_bytes(s) / t / 1e3:4.0f}GB/s" for s, t in zip(steps, times, strict=True)
         )
-        print(f"{knobs['fold_merge']!s:>5} {knobs['prefix_chunk']:>6} {knobs['own_chunk']:>4} {cells}")
+        print(f"{knobs['prefix_chunk']:>6} {knobs['own_chunk']:>4} {cells}")
     best = min(rows, key=lambda r: math.fsum(r["us_per_call"].values()))
     print(f"best over the steps: { ({k: v for k, v in best.items() if k != 'us_per_call'}) }")
     if args.out:

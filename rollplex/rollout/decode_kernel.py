@@ -40,7 +40,7 @@ except ImportError:  # pragma: no cover - exercised only on installs without Tri
     triton = tl = None
 
 PREFIX_CHUNK = 512  # boundary keys per prefix program
-OWN_CHUNK = 128  # own keys per own-key program
+OWN_CHUNK = 512  # own keys per own-key program (scripts/attention_sweep.py picked both on one H200)
 BLOCK_KEYS = 64  # keys per inner iteration
 
 
@@ -94,68 +94,15 @@ def _store(m_out, l_out, acc_out, at, acc_at, d, m, s_sum, acc, valid_q):
 
 
 @_jit
-def _merge_queries(
-    m_out, l_out, acc_out, out, at, acc_at, out_at, d, valid, parts, so_s, sa_s,
-    NQ: tl.constexpr, D: tl.constexpr,
-):  # fmt: skip
-    """out = Σ_s exp(m_s − M) acc_s / Σ_s exp(m_s − M) l_s for the queries at partial offsets ``at``
-    (valid ones), parts s = 0..parts-1 in order (so the result does not depend on which program merges).
-    Partials are read through L2 (``.cg``): other programs wrote them during this launch."""
-    big = tl.full((NQ,), float("-inf"), tl.float32)
-    for s in range(0, parts):
-        big = tl.maximum(big, tl.load(m_out + s * so_s + at, mask=valid, other=0.0, cache_modifier=".cg"))
-    norm = tl.zeros((NQ,), tl.float32)
-    total = tl.zeros((NQ, D), tl.float32)
-    for s in range(0, parts):
-        ms = tl.load(m_out + s * so_s + at, mask=valid, other=0.0, cache_modifier=".cg")
-        weight = tl.where(valid, tl.exp(ms - big), 0.0)  # own key 0 keeps the max finite
-        norm += weight * tl.load(l_out + s * so_s + at, mask=valid, other=0.0, cache_modifier=".cg")
-        part = tl.load(
-            acc_out + s * sa_s + acc_at[:, None] + d[None, :],
-            mask=valid[:, None],
-            other=0.0,
-            cache_modifier=".cg",
-        )
-        total += weight[:, None] * part
-    norm = tl.where(valid, norm, 1.0)
-    tl.store(
-        out + out_at[:, None] + d[None, :],
-        (total / norm[:, None]).to(out.dtype.element_ty),
-        mask=valid[:, None],
-    )
-
-
-@_jit
-def _arrive_and_merge(
-    arrivals, m_out, l_out, acc_out, out, at, acc_at, b, h, d, valid, parts, so_s, sa_s, H: tl.constexpr,
-    NQ: tl.constexpr, D: tl.constexpr,
-):  # fmt: skip
-    """After a program stored its partials: count its arrival for each of its queries (arrivals int32
-    [B·H]); the program that completes a query's ``parts`` partials merges it and resets its count to
-    0, so the merge needs no second launch. The barrier orders the block's partial stores before the
-    atomic's release; the atomic's acquire (then a barrier, for the block's other threads) orders the
-    merge's loads after every other program's stores."""
-    tl.debug_barrier()
-    counter = arrivals + b * H + h
-    seen = tl.atomic_add(counter, 1, mask=valid, sem="acq_rel", scope="gpu")
-    last = valid & (seen == parts - 1)
-    if tl.max(last.to(tl.int32), 0) > 0:
-        tl.debug_barrier()  # the whole block reads after the acquire
-        tl.store(counter, 0, mask=last)
-        out_at = b * (H * D) + h * D
-        _merge_queries(m_out, l_out, acc_out, out, at, acc_at, out_at, d, last, parts, so_s, sa_s, NQ, D)
-
-
-@_jit
 def _prefix_program(
-    pid, q, pk, pv, lens, m_out, l_out, acc_out, arrivals, out,
+    pid, q, pk, pv, lens, m_out, l_out, acc_out,
     sq_b, sq_h, spk_g, spk_h, spk_p, spv_g, spv_h, spv_p,
     so_s, so_b, so_h, sa_s, sa_b, sa_h,
-    splits, parts, scale, N: tl.constexpr, REP: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr,
-    NQ: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr, FOLD: tl.constexpr,
+    splits, scale, N: tl.constexpr, REP: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr,
+    NQ: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr,
 ):  # fmt: skip
     """Program (group·Hkv + kv head)·splits + chunk: the group's N·rep queries of one kv head against
-    one chunk of its boundary keys (with FOLD, then the merge of the queries it completes)."""
+    one chunk of its boundary keys."""
     gk, split = pid // splits, pid % splits
     g, k = gk // HKV, gk % HKV
     iq, d = tl.arange(0, NQ), tl.arange(0, D)
@@ -166,42 +113,21 @@ def _prefix_program(
     hi = tl.minimum(lo + CHUNK, tl.load(lens + g))
     k_base, v_base = pk + g * spk_g + k * spk_h, pv + g * spv_g + k * spv_h
     m, s_sum, acc = _attend_range(qb, k_base, v_base, spk_p, spv_p, lo, hi, d, scale, NQ, D, BLOCK)
-    at, acc_at = b * so_b + h * so_h, b * sa_b + h * sa_h
-    _store(m_out, l_out, acc_out, split * so_s + at, split * sa_s + acc_at, d, m, s_sum, acc, valid_q)
-    if FOLD:
-        _arrive_and_merge(
-            arrivals,
-            m_out,
-            l_out,
-            acc_out,
-            out,
-            at,
-            acc_at,
-            b,
-            h,
-            d,
-            valid_q,
-            parts,
-            so_s,
-            sa_s,
-            HKV * REP,
-            NQ,
-            D,
-        )
+    at = split * so_s + b * so_b + h * so_h
+    _store(m_out, l_out, acc_out, at, split * sa_s + b * sa_b + h * sa_h, d, m, s_sum, acc, valid_q)
 
 
 @_jit
 def _own_program(
-    pid, q, ok, ov, nk, nv, step, m_out, l_out, acc_out, arrivals, out,
+    pid, q, ok, ov, nk, nv, step, m_out, l_out, acc_out,
     sq_b, sq_h, sok_b, sok_h, sok_l, sov_b, sov_h, sov_l, snk_b, snk_h, snv_b, snv_h,
     so_s, so_b, so_h, sa_s, sa_b, sa_h,
-    first_split, own_chunks, parts, scale, REP: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr,
-    NQ: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr, FOLD: tl.constexpr,
+    first_split, own_chunks, scale, REP: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr,
+    NQ: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr,
 ):  # fmt: skip
     """Program (row·Hkv + kv head)·own_chunks + chunk: the row's rep queries of one kv head against one
     chunk of its own keys 0..step (a chunk past the step stores an empty partial). The program whose
-    chunk holds the step first writes the step's key and value (nk, nv) into the cache slot. With FOLD,
-    then the merge of the queries it completes."""
+    chunk holds the step first writes the step's key and value (nk, nv) into the cache slot."""
     bk, chunk = pid // own_chunks, pid % own_chunks
     b, k = bk // HKV, bk % HKV
     split = first_split + chunk
@@ -217,59 +143,36 @@ def _own_program(
         tl.debug_barrier()  # the block's own stores are visible to its loads below
     hi = tl.minimum(lo + CHUNK, now + 1)
     m, s_sum, acc = _attend_range(qb, k_base, v_base, sok_l, sov_l, lo, hi, d, scale, NQ, D, BLOCK)
-    at, acc_at = b * so_b + h * so_h, b * sa_b + h * sa_h
-    _store(m_out, l_out, acc_out, split * so_s + at, split * sa_s + acc_at, d, m, s_sum, acc, valid_q)
-    if FOLD:
-        _arrive_and_merge(
-            arrivals,
-            m_out,
-            l_out,
-            acc_out,
-            out,
-            at,
-            acc_at,
-            b,
-            h,
-            d,
-            valid_q,
-            parts,
-            so_s,
-            sa_s,
-            HKV * REP,
-            NQ,
-            D,
-        )
+    at = split * so_s + b * so_b + h * so_h
+    _store(m_out, l_out, acc_out, at, split * sa_s + b * sa_b + h * sa_h, d, m, s_sum, acc, valid_q)
 
 
 @_jit
 def _partials(
-    q, pk, pv, lens, ok, ov, nk, nv, step, m_out, l_out, acc_out, arrivals, out,
+    q, pk, pv, lens, ok, ov, nk, nv, step, m_out, l_out, acc_out,
     sq_b, sq_h, spk_g, spk_h, spk_p, spv_g, spv_h, spv_p,
     sok_b, sok_h, sok_l, sov_b, sov_h, sov_l, snk_b, snk_h, snv_b, snv_h,
     so_s, so_b, so_h, sa_s, sa_b, sa_h,
     prefix_programs, splits, own_chunks, scale,
     N: tl.constexpr, REP: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, NQ_PREFIX: tl.constexpr,
     NQ_OWN: tl.constexpr, PREFIX_CHUNK_: tl.constexpr, OWN_CHUNK_: tl.constexpr, BLOCK: tl.constexpr,
-    FOLD: tl.constexpr,
 ):  # fmt: skip
     """One launch for both kinds of partials: programs 0..prefix_programs-1 are prefix programs, the
-    rest own-key programs (so the two bandwidth-bound halves share the device instead of queueing).
-    With FOLD the program completing a query's partials also merges them into ``out``."""
+    rest own-key programs (so the two bandwidth-bound halves share the device instead of queueing)."""
     pid = tl.program_id(0).to(tl.int64)
-    parts = splits + own_chunks
     if pid < prefix_programs:
         _prefix_program(
-            pid, q, pk, pv, lens, m_out, l_out, acc_out, arrivals, out,
+            pid, q, pk, pv, lens, m_out, l_out, acc_out,
             sq_b, sq_h, spk_g, spk_h, spk_p, spv_g, spv_h, spv_p,
             so_s, so_b, so_h, sa_s, sa_b, sa_h,
-            splits, parts, scale, N, REP, HKV, D, NQ_PREFIX, PREFIX_CHUNK_, BLOCK, FOLD,
+            splits, scale, N, REP, HKV, D, NQ_PREFIX, PREFIX_CHUNK_, BLOCK,
         )  # fmt: skip
     else:
         _own_program(
-            pid - prefix_programs, q, ok, ov, nk, nv, step, m_out, l_out, acc_out, arrivals, out,
+            pid - prefix_programs, q, ok, ov, nk, nv, step, m_out, l_out, acc_out,
             sq_b, sq_h, sok_b, sok_h, sok_l, sov_b, sov_h, sov_l, snk_b, snk_h, snv_b, snv_h,
             so_s, so_b, so_h, sa_s, sa_b, sa_h,
-            splits, own_chunks, parts, scale, REP, HKV, D, NQ_OWN, OWN_CHUNK_, BLOCK, FOLD,
+            splits, own_chunks, scale, REP, HKV, D, NQ_OWN, OWN_CHUNK_, BLOCK,
         )  # fmt: skip
 
 
@@ -303,9 +206,7 @@ def fused_decode_attention(
     step: torch.Tensor,
     scaling: float,
     group_size: int,
-    arrivals: torch.Tensor | None = None,
     *,
-    fold_merge: bool = True,
     prefix_chunk: int = PREFIX_CHUNK,
     own_chunk: int = OWN_CHUNK,
 ) -> torch.Tensor:
@@ -318,12 +219,8 @@ def fused_decode_attention(
             views of the cache (last dim contiguous); slot ``step`` is overwritten with new_k/new_v.
         new_k/new_v: [B, Hkv, D] (last dim contiguous), the step's key (after RoPE) and value.
         step: int64 [1], own keys 0..step are valid after the write. scaling: softmax scale.
-        group_size: N.
-        arrivals: int32 [B·H] of zeros, the merge's arrival counts, left at zero by every call (the
-            decoder keeps one for all its layers and steps); None allocates one.
-        fold_merge: the program completing a query's partials merges them (one launch); False runs the
-            separate merge kernel. prefix_chunk/own_chunk: keys per prefix / own-key program (multiples
-            of 64). These three are tuning knobs (scripts/attention_sweep.py measures them).
+        group_size: N. prefix_chunk/own_chunk: keys per prefix / own-key program (multiples of 64;
+            tuning knobs, measured by scripts/attention_sweep.py).
 
     Returns:
         [B, H·D] in the dtype of ``q`` (softmax statistics and accumulation in float32).
@@ -336,31 +233,24 @@ def fused_decode_attention(
     b, h, d = q.shape
     g, hkv, p = prefix_k.shape[:3]
     _check_inputs(q, prefix_k, prefix_v, prefix_lens, own_k, own_v, new_k, new_v, step, group_size)
-    if arrivals is None:
-        arrivals = torch.zeros(b * h, device=q.device, dtype=torch.int32)
-    elif arrivals.shape != (b * h,) or arrivals.dtype != torch.int32 or arrivals.device != q.device:
-        raise ValueError(
-            f"arrivals must be int32 [B·H] = [{b * h}] on {q.device}, got {tuple(arrivals.shape)}"
-        )
     rep, splits = h // hkv, math.ceil(p / prefix_chunk)
     own_chunks = math.ceil(own_k.shape[2] / own_chunk)
     m = torch.empty(splits + own_chunks, b, h, device=q.device, dtype=torch.float32)
     l_ = torch.empty_like(m)
     acc = torch.empty(splits + own_chunks, b, h, d, device=q.device, dtype=torch.float32)
-    out = torch.empty(b, h * d, device=q.device, dtype=q.dtype)
     prefix_programs = g * hkv * splits
     _partials[(prefix_programs + b * hkv * own_chunks,)](
-        q, prefix_k, prefix_v, prefix_lens, own_k, own_v, new_k, new_v, step, m, l_, acc, arrivals, out,
+        q, prefix_k, prefix_v, prefix_lens, own_k, own_v, new_k, new_v, step, m, l_, acc,
         q.stride(0), q.stride(1), *prefix_k.stride()[:3], *prefix_v.stride()[:3],
         *own_k.stride()[:3], *own_v.stride()[:3], *new_k.stride()[:2], *new_v.stride()[:2],
         *m.stride(), *acc.stride()[:3],
         prefix_programs, splits, own_chunks, scaling,
         N=group_size, REP=rep, HKV=hkv, D=d, NQ_PREFIX=_pow2(group_size * rep), NQ_OWN=_pow2(rep),
-        PREFIX_CHUNK_=prefix_chunk, OWN_CHUNK_=own_chunk, BLOCK=BLOCK_KEYS, FOLD=fold_merge,
+        PREFIX_CHUNK_=prefix_chunk, OWN_CHUNK_=own_chunk, BLOCK=BLOCK_KEYS,
     )  # fmt: skip
-    if not fold_merge:
-        parts = splits + own_chunks
-        _merge[(b * h,)](m, l_, acc, out, parts, m.stride(0), acc.stride(0), D=d, S=_pow2(parts, 2))
+    out = torch.empty(b, h * d, device=q.device, dtype=q.dtype)
+    parts = splits + own_chunks
+    _merge[(b * h,)](m, l_, acc, out, parts, m.stride(0), acc.stride(0), D=d, S=_pow2(parts, 2))
     return out
 
 

@@ -51,23 +51,18 @@ def _dense(q, pk, pv, lens, own_k, own_v, step, shape):
 
 def _fused(q, pk, pv, lens, own_k, own_v, step, scaling, n, **knobs):
     """The kernel as the decoder calls it: the step's key/value passed in and written by the kernel; the
-    slot holds NaN before, so reading it unwritten fails. Returns the output and checks the slot and
-    that the merge's arrival counts are back at zero."""
+    slot holds NaN before, so reading it unwritten fails. Returns the output and checks the slot."""
     new_k, new_v = own_k[:, :, step].clone(), own_v[:, :, step].clone()
     own_k[:, :, step] = own_v[:, :, step] = float("nan")
-    arrivals = torch.zeros(q.shape[0] * q.shape[1], dtype=torch.int32, device=DEVICE)
     step_t = torch.tensor([step], device=DEVICE)
-    out = fused_decode_attention(
-        q, pk, pv, lens, own_k, own_v, new_k, new_v, step_t, scaling, n, arrivals, **knobs
-    )
+    out = fused_decode_attention(q, pk, pv, lens, own_k, own_v, new_k, new_v, step_t, scaling, n, **knobs)
     assert torch.equal(own_k[:, :, step], new_k) and torch.equal(own_v[:, :, step], new_v)
-    assert not arrivals.any()
     return out
 
 
 @pytest.mark.parametrize(("seed", "window", "step"), [(0, 70, 40), (1, 70, 69), (2, 300, 40), (3, 300, 200)])
 def test_fused_equals_dense(seed, window, step):
-    """One or three own-key chunks (128 keys each), some of them past the step (empty partials); the
+    """One own-key chunk (the default 512 keys; several in test_tuning_knobs_change_no_result); the
     step's key/value written into the cache by the kernel."""
     q, pk, pv, lens, own_k, own_v, step, shape = _case(seed, window=window, step=step)
     dense = _dense(q, pk, pv, lens, own_k, own_v, step, shape)
@@ -78,28 +73,15 @@ def test_fused_equals_dense(seed, window, step):
 
 @pytest.mark.parametrize(
     "knobs",
-    [
-        {"fold_merge": False},
-        {"prefix_chunk": 128, "own_chunk": 64},
-        {"prefix_chunk": 1024, "own_chunk": 512},
-        {"fold_merge": False, "prefix_chunk": 256, "own_chunk": 256},
-    ],
+    [{"prefix_chunk": 128, "own_chunk": 64}, {"prefix_chunk": 1024, "own_chunk": 128}, {"own_chunk": 256}],
 )
 def test_tuning_knobs_change_no_result(knobs):
-    """The separate merge kernel and other chunk sizes (more or fewer partials per query) give the
-    dense result too."""
+    """Other chunk sizes (more or fewer partials per query, several own-key chunks, some past the
+    step) give the dense result too."""
     q, pk, pv, lens, own_k, own_v, step, shape = _case(5, window=300, step=200)
     dense = _dense(q, pk, pv, lens, own_k, own_v, step, shape)
     fused = _fused(q, pk, pv, lens, own_k, own_v, step, shape.scaling, shape.group_size, **knobs)
     assert (fused - dense).abs().max() <= TOL
-
-
-def test_arrivals_must_fit():
-    q, pk, pv, lens, own_k, own_v, step, shape = _case(6)
-    new = (own_k[:, :, step].clone(), own_v[:, :, step].clone())
-    step_t, wrong = torch.tensor([step], device=DEVICE), torch.zeros(3, dtype=torch.int32, device=DEVICE)
-    with pytest.raises(ValueError, match="arrivals must be int32"):
-        fused_decode_attention(q, pk, pv, lens, own_k, own_v, *new, step_t, shape.scaling, 3, wrong)
 
 
 def test_step_zero_and_group_of_one_with_odd_heads():
@@ -171,19 +153,3 @@ def test_bf16_at_the_3b_shape_against_float64():
     err = (fused.double() - ref).abs().max()
     print(f"fused bf16 vs float64 dense: max abs {float(err):.3g}")
     assert err <= 2e-2
-
-
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_folded_merge_is_deterministic_on_cuda():
-    """Whichever program completes a query merges its partials in a fixed order: 30 launches reusing
-    one arrival buffer (left at zero each time) give bitwise one result, within bf16 rounding of the
-    separate merge kernel's."""
-    q, pk, pv, lens_t, own_k, own_v, step, shape = _inputs_3b()
-    new = (own_k[:, :, step].clone(), own_v[:, :, step].clone())
-    args = (q, pk, pv, lens_t, own_k, own_v, *new, torch.tensor([step], device="cuda"), shape.scaling, 8)
-    arrivals = torch.zeros(q.shape[0] * q.shape[1], dtype=torch.int32, device="cuda")
-    outs = [fused_decode_attention(*args, arrivals) for _ in range(30)]
-    separate = fused_decode_attention(*args, fold_merge=False)
-    assert not arrivals.any()
-    assert all(torch.equal(out, outs[0]) for out in outs)
-    assert (outs[0].float() - separate.float()).abs().max() <= 1e-2

@@ -9,7 +9,8 @@ import torch.nn.functional as F
 
 pytest.importorskip("triton")
 
-from rollplex.rollout.product_kernel import ProductConfig, linear  # noqa: E402
+from rollplex.rollout.decode import rms_norm  # noqa: E402
+from rollplex.rollout.product_kernel import ProductConfig, interleave_gate_up, linear  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 TOL = 1e-4 if DEVICE == "cpu" else 2e-2  # float32 products run as TF32 on the GPU's tensor cores
@@ -52,6 +53,27 @@ def test_residual_is_added_after_rounding_the_product():
     assert torch.equal(linear(x, w, None, r, config=ProductConfig(bn=16, bk=16)), unfused)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("gated", [False, True])
+def test_norm_and_gate_equal_the_unfused_ops(dtype, gated):
+    """rms_norm(x)·Wᵀ + b, and silu(gate)·up of the normalised x through (gate, up) rows interleaved:
+    the decoder layer's unfused ops (rollout.decode.rms_norm, F.linear, F.silu), to float32 rounding or
+    1e-12 in float64 (norm scale applied after the product only reorders exact arithmetic)."""
+    m, k, inter = 6, 96, 40
+    x, ln = _rand(m, k, dtype=dtype) * 3, _rand(k, seed=4, dtype=dtype)
+    gate, up = _rand(inter, k, seed=5, dtype=dtype), _rand(inter, k, seed=6, dtype=dtype)
+    normed = rms_norm(x, ln, 1e-6)
+    cfg, tol = ProductConfig(bn=16, bk=32), 1e-4 if dtype == torch.float32 else 1e-12
+    if gated:
+        want = F.silu(F.linear(normed, gate)) * F.linear(normed, up)
+        got = linear(x, interleave_gate_up(gate, up), config=cfg, norm=ln, eps=1e-6, gated=True)
+    else:
+        b = _rand(inter, seed=7, dtype=dtype)
+        want, got = F.linear(normed, gate, b), linear(x, gate, b, config=cfg, norm=ln, eps=1e-6)
+    assert got.shape == want.shape
+    assert (got - want).abs().max() <= tol * float(want.abs().max())
+
+
 def test_wrong_inputs_are_named():
     x, w = _rand(4, 32), _rand(8, 32, seed=1)
     with pytest.raises(ValueError, match="weight \\[N, K\\]"):
@@ -64,14 +86,35 @@ def test_wrong_inputs_are_named():
         linear(x, w.double())
     with pytest.raises(ValueError, match="contiguous last"):
         linear(x, w.t().contiguous().t())
+    with pytest.raises(ValueError, match="norm \\[K\\]"):
+        linear(x, w, norm=_rand(16))
+    with pytest.raises(ValueError, match="even number"):
+        linear(x, _rand(7, 32), gated=True)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize(("n", "k"), [(2560, 2048), (2048, 2048), (22016, 2048), (2048, 11008)])
-def test_bf16_at_the_3b_shapes(n, k):
-    """64 rows in bf16 against a float64 product of the same inputs: within bf16 rounding."""
-    x = _rand(64, k, dtype=torch.bfloat16)
+@pytest.mark.parametrize(
+    ("n", "k", "norm", "gated"),
+    [
+        (2560, 2048, True, False),
+        (2048, 2048, False, False),
+        (22016, 2048, True, True),
+        (2048, 11008, False, False),
+    ],
+)
+def test_bf16_at_the_3b_shapes(n, k, norm, gated):
+    """64 rows in bf16 at the 3B layer's products (q/k/v with the input norm, o, gate/up with the post
+    norm and the SiLU gate, down) against float64 ops on the same inputs: within bf16 rounding."""
+    x = _rand(64, k, dtype=torch.bfloat16) * 4
     w, b = _rand(n, k, seed=1, dtype=torch.bfloat16) * k**-0.5, _rand(n, seed=2, dtype=torch.bfloat16)
-    ref = F.linear(x.double(), w.double(), b.double())
-    err = (linear(x, w, b).double() - ref).abs().max()
+    ln = _rand(k, seed=3, dtype=torch.bfloat16) if norm else None
+    x64, w64 = x.double(), w.double()
+    if norm:
+        x64 = ln.double() * x64 * torch.rsqrt(x64.square().mean(-1, keepdim=True) + 1e-6)
+    if gated:
+        pairs = F.linear(x64, w64).view(64, n // 2, 2)
+        ref, got = F.silu(pairs[..., 0]) * pairs[..., 1], linear(x, w, norm=ln, gated=True)
+    else:
+        ref, got = F.linear(x64, w64, b.double()), linear(x, w, b, norm=ln)
+    err = (got.double() - ref).abs().max()
     assert err <= 2e-2 * float(ref.abs().max()), float(err)
