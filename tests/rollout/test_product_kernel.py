@@ -59,6 +59,8 @@ def test_norm_and_gate_equal_the_unfused_ops(dtype, gated):
     """rms_norm(x)·Wᵀ + b, and silu(gate)·up of the normalised x through (gate, up) rows interleaved:
     the decoder layer's unfused ops (rollout.decode.rms_norm, F.linear, F.silu), to float32 rounding or
     1e-12 in float64 (norm scale applied after the product only reorders exact arithmetic)."""
+    if dtype == torch.float64 and DEVICE == "cuda":
+        pytest.skip("Triton has no float64 matrix product on the GPU (the interpreter checks float64)")
     m, k, inter = 6, 96, 40
     x, ln = _rand(m, k, dtype=dtype) * 3, _rand(k, seed=4, dtype=dtype)
     gate, up = _rand(inter, k, seed=5, dtype=dtype), _rand(inter, k, seed=6, dtype=dtype)
