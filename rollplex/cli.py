@@ -147,7 +147,6 @@ def _bench_schedule(args: argparse.Namespace) -> None:
         "compile_decode",
         "compile_mode",
         "fused_projections",
-        "decode_products",
         "fused_sampling",
     )
     options = _options(args, (*WORKLOAD_FIELDS, *extra))
@@ -187,7 +186,7 @@ def _add_workload_arguments(p: argparse.ArgumentParser) -> None:
 
 def _add_bench(sub: argparse._SubParsersAction) -> None:
     from rollplex.bench.variants import DECODE_VARIANTS
-    from rollplex.config import COMPILE_MODES, DECODE_ATTENTION, DECODE_PRODUCTS
+    from rollplex.config import COMPILE_MODES, DECODE_ATTENTION
 
     bench = sub.add_parser("bench", help="GPU benchmarks, measured side by side").add_subparsers(
         dest="bench_command", required=True
@@ -216,9 +215,6 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
         help="torch.compile the decode step (default on)",
     )
     p.add_argument("--compile-mode", choices=COMPILE_MODES, help="torch.compile mode of the decode step")
-    p.add_argument(
-        "--decode-products", choices=DECODE_PRODUCTS, help="decode weight products (cuBLAS or Triton)"
-    )
     p.add_argument(
         "--fused-projections",
         action=argparse.BooleanOptionalAction,

@@ -54,7 +54,6 @@ def _field(default: Any, help: str, **limits: Any) -> Any:
 
 VISION_ATTENTION = ("per_chunk", "batched")  # model.vision_attention (models.forward.prepare_model)
 DECODE_ATTENTION = ("auto", "dense", "triton")  # rollout.decode_attention (rollout.decode.StaticDecoder)
-DECODE_PRODUCTS = ("auto", "cublas", "triton")  # rollout.decode_products (rollout.decode.StaticDecoder)
 COMPILE_MODES = ("default", "max-autotune")  # rollout.compile_mode (rollout.decode._compiled_layer)
 
 
@@ -187,13 +186,6 @@ class RolloutConfig:
         True,
         "decode: one q/k/v and one gate/up matrix product per layer, from copies of those weights "
         "concatenated when decode starts (their memory again during rollout: 3.6 GB for the 3B model)",
-    )
-    decode_products: str = _field(
-        "cublas",
-        "decode weight products: triton (rollout.product_kernel: few-row kernels with the RMSNorms, SiLU "
-        "gate, bias and residual adds folded in; copies of the q/k/v and gate/up weights, as "
-        "fused_projections), cublas (torch's products) or auto (triton on CUDA when Triton is installed)",
-        choices=DECODE_PRODUCTS,
     )
     fused_sampling: bool = _field(
         True,

@@ -48,7 +48,6 @@ SPEC_DEFAULTS = {
         "graph_window": 128,
         "decode_attention": "auto",
         "fused_projections": True,
-        "decode_products": "cublas",
         "fused_sampling": True,
     },
     "algo": {

@@ -67,7 +67,6 @@ class ScheduleBenchConfig(Workload):
     auto_trials: int = 2
     decode_attention: str = "auto"
     fused_projections: bool = True
-    decode_products: str = "cublas"
     fused_sampling: bool = True
 
 
@@ -118,7 +117,6 @@ class _Workload:
             "rollout.compile_decode": cfg.compile_decode,
             "rollout.compile_mode": cfg.compile_mode,
             "rollout.fused_projections": cfg.fused_projections,
-            "rollout.decode_products": cfg.decode_products,
             "rollout.fused_sampling": cfg.fused_sampling,
             **{k: self.sms // 2 if v == "half" else v for k, v in overrides.items()},
         }

@@ -1,6 +1,6 @@
 """The decode variants of ``rollplex bench decode``: ``SamplingParams`` options per name (eager; CUDA
 graphs; then torch.compile and the fused attention, alone and together; then fused projections and the
-fused sampling race on top; then the Triton product kernels, or torch.compile's max-autotune mode). Plain data, so the command line can list
+fused sampling race on top; then torch.compile's max-autotune mode). Plain data, so the command line can list
 them without importing torch."""
 
 DECODE_VARIANTS = {
@@ -21,14 +21,6 @@ DECODE_VARIANTS = {
         "attention": "triton",
         "fused_projections": True,
         "fused_sampling": True,
-    },
-    "graphs+compile+triton+fused+sampling+products": {
-        "cuda_graphs": True,
-        "compile": True,
-        "attention": "triton",
-        "fused_projections": True,
-        "fused_sampling": True,
-        "products": "triton",
     },
     "graphs+compile+triton+fused+sampling+autotune": {
         "cuda_graphs": True,

@@ -21,7 +21,6 @@ KV read once per group (the N rows' queries are stacked against it), never copie
 
 from __future__ import annotations
 
-import functools
 import logging
 import os
 from collections.abc import Callable
@@ -30,8 +29,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from rollplex.config import COMPILE_MODES, DECODE_ATTENTION, DECODE_PRODUCTS
-from rollplex.rollout import product_kernel, sample_kernel
+from rollplex.config import COMPILE_MODES, DECODE_ATTENTION
+from rollplex.rollout import sample_kernel
 from rollplex.rollout.decode_kernel import fused_decode_attention, supports
 from rollplex.rollout.sampler import race_tokens, sample_tokens
 from rollplex.types import PrefixState
@@ -62,23 +61,18 @@ class DecodeShape:
 LayerTensors = tuple  # (ln1, qkv weights, qkv biases, o_proj, ln2, gate/up weights, down_proj); see below
 
 
-def _layer_tensors(layer, layout: str = "separate") -> LayerTensors:
+def _layer_tensors(layer, fused: bool = False) -> LayerTensors:
     """One Qwen2.5-VL decoder layer's tensors in the order ``layer_qkv`` and ``layer_post`` take them:
     (input norm, (W_q, W_k, W_v), (b_q, b_k, b_v), W_o, post norm, (W_gate, W_up), W_down) — or, with
-    layout "fused", ((W_q; W_k; W_v),), ((b_q; b_k; b_v),) and ((W_gate; W_up),): copies of the current
+    ``fused``, ((W_q; W_k; W_v),), ((b_q; b_k; b_v),) and ((W_gate; W_up),): copies of the current
     weights concatenated along the output dimension, so each group is one matrix product (they take the
-    memory of those weights again for as long as the decoder lives); layout "interleaved" as "fused" but
-    the gate/up rows interleaved (product_kernel.interleave_gate_up) for ``layer_post_products``."""
+    memory of those weights again for as long as the decoder lives)."""
     a, m = layer.self_attn, layer.mlp
     qkv = (a.q_proj.weight, a.k_proj.weight, a.v_proj.weight)
     bias = (a.q_proj.bias, a.k_proj.bias, a.v_proj.bias)
     gate_up = (m.gate_proj.weight, m.up_proj.weight)
-    if layout != "separate":
-        qkv, bias = (torch.cat(qkv),), (torch.cat(bias),)
-        join = (
-            product_kernel.interleave_gate_up if layout == "interleaved" else lambda g, u: torch.cat((g, u))
-        )
-        gate_up = (join(*gate_up),)
+    if fused:
+        qkv, bias, gate_up = (torch.cat(qkv),), (torch.cat(bias),), (torch.cat(gate_up),)
     norms = (layer.input_layernorm.weight, layer.post_attention_layernorm.weight)
     return norms[0], qkv, bias, a.o_proj.weight, norms[1], gate_up, m.down_proj.weight
 
@@ -171,22 +165,9 @@ def layer_qkv(
         q [B, H, D], k [B, Hkv, D], v [B, Hkv, D].
     """
     ln1, qkv, bias = weights[:3]
-    d, h, hkv = shape.head_dim, shape.heads, shape.kv_heads
-    x = rms_norm(hidden, ln1, shape.eps)
-    return rope_qkv(*_project(x, qkv, bias, [h * d, hkv * d, hkv * d]), cos, sin, shape)
-
-
-def rope_qkv(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    cos: torch.Tensor,
-    sin: torch.Tensor,
-    shape: DecodeShape,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Heads of the q/k/v products [B, H·D], [B, Hkv·D], [B, Hkv·D], RoPE on q and k: q [B, H, D],
-    k [B, Hkv, D], v [B, Hkv, D]."""
     b, d, h, hkv = shape.rows, shape.head_dim, shape.heads, shape.kv_heads
+    x = rms_norm(hidden, ln1, shape.eps)
+    q, k, v = _project(x, qkv, bias, [h * d, hkv * d, hkv * d])
     q = rotate(q.reshape(b, h, d), cos, sin)
     k = rotate(k.reshape(b, hkv, d), cos, sin)
     return q, k, v.reshape(b, hkv, d)
@@ -220,52 +201,8 @@ def layer_out(
     return layer_post(hidden, attention, weights, shape)
 
 
-def layer_qkv_products(
-    hidden: torch.Tensor,
-    cos: torch.Tensor,
-    sin: torch.Tensor,
-    weights: LayerTensors,
-    shape: DecodeShape,
-    rope: Callable = rope_qkv,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``layer_qkv`` with the input norm, q/k/v product and bias in one product kernel (layout
-    "interleaved"), then ``rope`` (``rope_qkv``, possibly compiled). Shapes as in ``layer_qkv``."""
-    ln1, (qkv,), (bias,) = weights[:3]
-    d, h, hkv = shape.head_dim, shape.heads, shape.kv_heads
-    mixed = product_kernel.linear(hidden, qkv, bias, norm=ln1, eps=shape.eps)
-    return rope(*mixed.split([h * d, hkv * d, hkv * d], dim=-1), cos, sin, shape)
-
-
-def layer_post_products(
-    hidden: torch.Tensor, attention: torch.Tensor, weights: LayerTensors, shape: DecodeShape
-) -> torch.Tensor:
-    """``layer_post`` in three product kernels: o_proj + residual; post norm + gate/up + SiLU gate;
-    down_proj + residual (layout "interleaved"). Shapes as in ``layer_post``."""
-    wo, ln2, (gate_up,), down = weights[3:]
-    hidden = product_kernel.linear(attention, wo, residual=hidden)
-    gated = product_kernel.linear(hidden, gate_up, norm=ln2, eps=shape.eps, gated=True)
-    return product_kernel.linear(gated, down, residual=hidden)
-
-
-def layer_out_products(
-    hidden: torch.Tensor,
-    q: torch.Tensor,
-    prefix_k: torch.Tensor,
-    prefix_v: torch.Tensor,
-    own_k: torch.Tensor,
-    own_v: torch.Tensor,
-    bias: torch.Tensor,
-    weights: LayerTensors,
-    shape: DecodeShape,
-) -> torch.Tensor:
-    """``layer_out`` with ``layer_post_products``."""
-    attention = decode_attention(q, prefix_k, prefix_v, own_k, own_v, bias, shape)
-    return layer_post_products(hidden, attention, weights, shape)
-
-
 ATTENTION_BACKENDS = DECODE_ATTENTION
 EAGER_LAYER_FNS = (layer_qkv, layer_out, layer_post)
-PRODUCT_LAYER_FNS = (layer_qkv_products, layer_out_products, layer_post_products)
 
 
 @dataclass(frozen=True)
@@ -279,7 +216,6 @@ class SamplingParams:
     before capture), compile_mode (its torch.compile mode, config.COMPILE_MODES), graph_window (own-key window granularity of the captured steps, tokens),
     attention (decode attention backend, "auto", "dense" or "triton"; ``StaticDecoder``),
     fused_projections (one q/k/v and one gate/up product per layer from concatenated weight copies),
-    products (decode weight products, "auto", "cublas" or "triton"; ``StaticDecoder``),
     fused_sampling (the decode steps' sampling race as Triton kernels, rollout.sample_kernel; on CUDA,
     elsewhere the eager race: ``fused_sampling_runs``).
     """
@@ -298,7 +234,6 @@ class SamplingParams:
     graph_window: int = 128
     attention: str = "auto"
     fused_projections: bool = False
-    products: str = "cublas"
     fused_sampling: bool = False
 
     @classmethod
@@ -320,7 +255,6 @@ class SamplingParams:
             graph_window=rollout.graph_window,
             attention=rollout.decode_attention,
             fused_projections=rollout.fused_projections,
-            products=rollout.decode_products,
             fused_sampling=rollout.fused_sampling,
         )
 
@@ -411,7 +345,7 @@ class StaticDecoder:
     Raises:
         ValueError: the model's MLP activation is not SiLU (the only one Qwen2.5-VL uses), sliding-
             window attention is on (the step attends to every key), an unknown or unavailable
-            attention backend or products, or a record narrower than the steps need.
+            attention backend, or a record narrower than the steps need.
     """
 
     def __init__(
@@ -449,10 +383,7 @@ class StaticDecoder:
         )
         self.model, self.prefix, self.params, self.record = model, prefix, params, record
         self.generator = generator
-        self.products = _check_products(params.products, keys.device)
-        layout = "fused" if params.fused_projections else "separate"
-        layout = "interleaved" if self.products == "triton" else layout
-        self.weights = [_layer_tensors(layer, layout) for layer in lm.layers]
+        self.weights = [_layer_tensors(layer, params.fused_projections) for layer in lm.layers]
         self.inv_freq, self.rope_scale = lm.rotary_emb.inv_freq, float(lm.rotary_emb.attention_scaling)
         rows, device = self.shape.rows, keys.device
         cache_shape = (rows, self.shape.kv_heads, self.shape.budget, self.shape.head_dim)
@@ -470,13 +401,12 @@ class StaticDecoder:
         self.window = max(1, min(params.graph_window, self.shape.budget))
         use_cuda = device.type == "cuda"
         self.attention = _check_attention(params.attention, device, self.shape)
-        self.eager_fns = PRODUCT_LAYER_FNS if self.products == "triton" else EAGER_LAYER_FNS
-        self.layer_fns: tuple[Callable, Callable, Callable] = self.eager_fns
+        self.layer_fns: tuple[Callable, Callable, Callable] = EAGER_LAYER_FNS
         self.race: Callable = race_tokens
         if params.fused_sampling and fused_sampling_runs(device):
             self.race = sample_kernel.fused_race
         if params.compile and use_cuda:
-            self.layer_fns = _compiled_layer(params.compile_mode, self.products)
+            self.layer_fns = _compiled_layer(params.compile_mode)
         self.use_graphs = params.cuda_graphs and use_cuda
         self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.rounds = 0
@@ -580,10 +510,10 @@ class StaticDecoder:
         try:
             return self._forward(length)
         except Exception as err:  # noqa: BLE001 - any compiler failure leaves a working eager path
-            if self.layer_fns == self.eager_fns:
+            if self.layer_fns == EAGER_LAYER_FNS:
                 raise
             log.warning("compiled decode step failed (%s: %s); using the eager step", type(err).__name__, err)
-            self.layer_fns = self.eager_fns
+            self.layer_fns = EAGER_LAYER_FNS
             return self._forward(length)
 
     def _warm_race(self, logits: torch.Tensor) -> None:
@@ -629,32 +559,25 @@ class StaticDecoder:
         return self.steps_done
 
 
-_COMPILED: dict[tuple[str, str], tuple[Callable, Callable, Callable]] = {}
+_COMPILED: dict[str, tuple[Callable, Callable, Callable]] = {}
 
 
-def _compiled_layer(mode: str = "default", products: str = "cublas") -> tuple[Callable, Callable, Callable]:
-    """The layer functions under torch.compile in ``mode`` (config.COMPILE_MODES; "max-autotune" is
-    inductor's max-autotune without its own CUDA graphs, since the decoder captures the whole step
-    itself), built once per process, mode and products: ``layer_qkv``, ``layer_out`` and ``layer_post``
-    with products "cublas"; with "triton" the product kernels stay as they are and only ``rope_qkv``
-    is compiled. The cache write between them stays outside, so compiled code never mutates its
-    inputs. The first own-key window compiles for static shapes; a second window or prompt length
-    recompiles once with symbolic sizes.
+def _compiled_layer(mode: str = "default") -> tuple[Callable, Callable, Callable]:
+    """``layer_qkv``, ``layer_out`` and ``layer_post`` under torch.compile in ``mode`` (config.COMPILE_MODES;
+    "max-autotune" is inductor's max-autotune without its own CUDA graphs, since the decoder captures the
+    whole step itself), built once per process and mode (the cache write between them stays outside, so
+    compiled code never mutates its inputs). The first own-key window compiles for static shapes; a
+    second window or prompt length recompiles once with symbolic sizes.
 
     Raises:
         ValueError: an unknown mode.
     """
     if mode not in COMPILE_MODES:
         raise ValueError(f"decode compile mode {mode!r}: expected one of {COMPILE_MODES}")
-    if (mode, products) not in _COMPILED:
+    if mode not in _COMPILED:
         options = {} if mode == "default" else {"mode": "max-autotune-no-cudagraphs"}
-        if products == "triton":
-            rope = torch.compile(rope_qkv, **options)
-            fns = (functools.partial(layer_qkv_products, rope=rope), *PRODUCT_LAYER_FNS[1:])
-        else:
-            fns = tuple(torch.compile(fn, **options) for fn in EAGER_LAYER_FNS)
-        _COMPILED[mode, products] = fns
-    return _COMPILED[mode, products]
+        _COMPILED[mode] = tuple(torch.compile(fn, **options) for fn in (layer_qkv, layer_out, layer_post))
+    return _COMPILED[mode]
 
 
 def fused_sampling_runs(device: torch.device) -> bool:
@@ -667,17 +590,6 @@ def fused_sampling_runs(device: torch.device) -> bool:
 def _triton_runs(device: torch.device) -> bool:
     """Triton kernels can run on tensors of ``device``: CUDA, or the CPU under ``TRITON_INTERPRET=1``."""
     return device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
-
-
-def _check_products(name: str, device: torch.device) -> str:
-    """The products name, checked, "auto" resolved: triton on CUDA where Triton imports, else cublas."""
-    if name not in DECODE_PRODUCTS:
-        raise ValueError(f"decode products {name!r}: expected one of {DECODE_PRODUCTS}")
-    if name == "auto":
-        return "triton" if device.type == "cuda" and product_kernel.triton is not None else "cublas"
-    if name == "triton" and not _triton_runs(device):
-        raise ValueError("decode products 'triton' run on CUDA (or on the CPU under TRITON_INTERPRET=1)")
-    return name
 
 
 def _check_attention(name: str, device: torch.device, shape: DecodeShape) -> str:

@@ -116,14 +116,11 @@ def _bf16_rollout(model, prompts, generator=None, **decode):
         (True, "triton", True, False),
         (True, "triton", True, True),
         ("max-autotune", "triton", True, True),
-        (True, "triton", "products", True),
-        (True, "dense", "products", False),
     ],
 )
 def test_bf16_rollout_vs_trainer_logprobs(models, compile, attention, fused, sampling):
     """bf16: the captured (optionally compiled — a string is the torch.compile mode —, with the fused
-    Triton attention, with fused q/k/v and gate/up products or the Triton product kernels ("products"),
-    with the fused sampling race) decode steps
+    Triton attention, with fused q/k/v and gate/up products, with the fused sampling race) decode steps
     record log-probs within 0.1 (max) and 0.01 (mean) of the trainer's prefix + suffix path, over 40
     tokens in three own-key windows."""
     model = _bf16_model(models[0])
@@ -135,8 +132,7 @@ def test_bf16_rollout_vs_trainer_logprobs(models, compile, attention, fused, sam
         compile=bool(compile),
         compile_mode=compile if isinstance(compile, str) else "default",
         attention=attention,
-        fused_projections=bool(fused),
-        products="triton" if fused == "products" else "cublas",
+        fused_projections=fused,
         fused_sampling=sampling,
     )
     trainer = _score(model, prompts, batch.responses, attached=True).detach()

@@ -57,21 +57,3 @@ def test_compile_modes_are_built_once_and_unknown_modes_named(monkeypatch):
     assert calls[3:] == [{}] * 3
     with pytest.raises(ValueError, match="expected one of"):
         decode._compiled_layer("reduce-overhead")
-
-
-def test_products_auto_and_unknown_names(monkeypatch):
-    """``auto`` products: the Triton kernels on CUDA where Triton imports, cuBLAS on the CPU and without
-    Triton; unknown names are named; "triton" on CPU tensors only under Triton's interpreter."""
-    from rollplex.rollout import decode, product_kernel
-
-    assert decode._check_products("auto", CPU) == "cublas"
-    assert decode._check_products("cublas", CUDA) == "cublas"
-    if product_kernel.triton is not None:
-        assert decode._check_products("auto", CUDA) == "triton"
-    monkeypatch.setattr(product_kernel, "triton", None)
-    assert decode._check_products("auto", CUDA) == "cublas"
-    with pytest.raises(ValueError, match="expected one of"):
-        decode._check_products("cutlass", CUDA)
-    monkeypatch.setenv("TRITON_INTERPRET", "0")
-    with pytest.raises(ValueError, match="run on CUDA"):
-        decode._check_products("triton", CPU)
