@@ -171,7 +171,8 @@ def _run_row(work: _Workload, name: str, cfg: ScheduleBenchConfig) -> tuple[dict
         row["auto_policy"] = step.policy.name
         row["auto_trials_span_s"] = {p.name: statistics.median(t) for p, t in step.timings.items()}
     print(f"  {name}: {row['step_s_median']:.3f} s/step (spread {row['step_s_spread']:.3f})", flush=True)
-    return row, {k: v.detach().clone() for k, v in work.actor.state_dict().items()}
+    # the parameters go to host memory: a device copy per row would sit in every later row's peak memory
+    return row, {k: v.detach().to("cpu", copy=True) for k, v in work.actor.state_dict().items()}
 
 
 def _summarise(rows: dict, tokens: int, roofline_s: float) -> None:
