@@ -10,7 +10,8 @@ Variants (same prompts, same prefix): ``eager`` (the step's kernels launched one
 ``eager_tokens`` tokens), ``graphs`` (CUDA-graph replay), ``graphs+compile`` (torch.compile, then
 capture), both again with the fused Triton decode attention (``+triton``, rollout.decode_kernel), then
 with fused q/k/v and gate/up products (``+fused``) and the fused sampling race (``+sampling``,
-rollout.sample_kernel): the last is the CUDA default. Decode time comes from the rollout's own
+rollout.sample_kernel): the CUDA default; ``+autotune`` adds torch.compile's max-autotune mode
+(``rollout.compile_mode``, measured slower on one H200). Decode time comes from the rollout's own
 timeline, which starts after capture/compilation.
 """
 
