@@ -234,7 +234,10 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(handler=_bench_schedule)
     p = bench.add_parser("decode", help="the decode step against its memory roofline")
     _add_workload_arguments(p)
-    p.add_argument("--variants", help=f"comma-separated subset of {','.join(DECODE_VARIANTS)} (default all)")
+    p.add_argument(
+        "--variants",
+        help=f"comma-separated subset of {','.join(DECODE_VARIANTS)} (default all but the +autotune one)",
+    )
     p.add_argument(
         "--profile-steps",
         type=int,

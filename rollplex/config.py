@@ -169,8 +169,9 @@ class RolloutConfig:
     compile_mode: str = _field(
         "default",
         "torch.compile mode of the decode step: default (cuBLAS products) or max-autotune (inductor "
-        "benchmarks Triton templates against cuBLAS for each product once per process, then fuses what "
-        "it can into them; minutes of compilation on the first rollout)",
+        "benchmarks its Triton templates against cuBLAS for each product, once per process and shape "
+        "unless its disk cache has them, and fuses what it can into them; a slower first rollout; "
+        "measured slower per step on one H200, docs/benchmarks.md)",
         choices=COMPILE_MODES,
     )
     graph_window: int = _field(

@@ -1,8 +1,11 @@
-"""Tuning sweep of the fused decode attention (rollplex.rollout.decode_kernel) at the 3B benchmark shape.
+"""Tuning sweep of the fused decode attention (rollplex.rollout.decode_kernel) near the 3B benchmark shape
+(8 groups × 4,000 boundary keys, 64 rows, 2 kv heads of 8 queries, D = 128).
 
-For each setting (keys per prefix and per own-key program) and a few decode steps, 36 calls (one per layer of the 3B model) are captured in a CUDA graph and
-replayed; the table gives microseconds per call and the key/value bytes it reads per microsecond.
-Usage (CUDA): python scripts/attention_sweep.py [--out sweep.json]
+For each setting (keys per prefix and per own-key program) and a few decode steps, 36 calls, one per
+layer of the 3B model, each on its own keys and values (so no call reads what the previous one left in
+L2), are captured in a CUDA graph and replayed; the table gives microseconds per call and the key/value
+bytes it reads per microsecond.
+Usage (CUDA): python scripts/attention_sweep.py [--steps 64,256,500] [--out sweep.json]
 """
 
 from __future__ import annotations
@@ -36,16 +39,16 @@ def _bytes(step: int) -> int:
 
 
 def time_call(step: int, knobs: dict, replays: int = 20) -> float:
-    """Microseconds per call, from CUDA-graph replays of LAYERS calls."""
-    args = _inputs(step)
+    """Microseconds per call, from CUDA-graph replays of LAYERS calls on LAYERS input sets."""
+    layers = [_inputs(step) for _ in range(LAYERS)]
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
-        fused_decode_attention(*args, **knobs)  # compile
+        fused_decode_attention(*layers[0], **knobs)  # compile
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        for _ in range(LAYERS):
+        for args in layers:
             fused_decode_attention(*args, **knobs)
     graph.replay()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)

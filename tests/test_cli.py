@@ -262,6 +262,8 @@ def test_bench_schedule_options_reach_the_config(monkeypatch):
             "--no-fused-sampling",
             "--vision-attention",
             "per_chunk",
+            "--compile-mode",
+            "max-autotune",
         ]
     )
     assert (seen[0].compile_decode, seen[0].fused_projections, seen[0].fused_sampling) == (True, True, True)
@@ -272,3 +274,4 @@ def test_bench_schedule_options_reach_the_config(monkeypatch):
         False,
     )
     assert (seen[0].vision_attention, seen[1].vision_attention) == ("batched", "per_chunk")
+    assert (seen[0].compile_mode, seen[1].compile_mode) == ("default", "max-autotune")

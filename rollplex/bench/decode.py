@@ -10,8 +10,8 @@ Variants (same prompts, same prefix): ``eager`` (the step's kernels launched one
 ``eager_tokens`` tokens), ``graphs`` (CUDA-graph replay), ``graphs+compile`` (torch.compile, then
 capture), both again with the fused Triton decode attention (``+triton``, rollout.decode_kernel), then
 with fused q/k/v and gate/up products (``+fused``) and the fused sampling race (``+sampling``,
-rollout.sample_kernel): the CUDA default; ``+autotune`` adds torch.compile's max-autotune mode
-(``rollout.compile_mode``, measured slower on one H200). Decode time comes from the rollout's own
+rollout.sample_kernel): the CUDA default, last of the default run; ``+autotune`` (on request only) adds
+torch.compile's max-autotune mode (``rollout.compile_mode``, measured slower on one H200). Decode time comes from the rollout's own
 timeline, which starts after capture/compilation.
 """
 
@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 
 from rollplex.bench.common import PromptShape, Workload, bench_device, random_model, synthetic_prompt
-from rollplex.bench.variants import DECODE_VARIANTS
+from rollplex.bench.variants import DECODE_VARIANTS, DEFAULT_VARIANTS
 from rollplex.models.forward import prefix_forward
 from rollplex.models.presets import vision_special_ids
 from rollplex.rollout.decode import DecodeRecord, StaticDecoder
@@ -37,7 +37,7 @@ VARIANTS = DECODE_VARIANTS
 class DecodeBenchConfig(Workload):
     """Workload of ``rollplex bench decode`` (defaults: the 3B workload of docs/benchmarks.md)."""
 
-    variants: tuple[str, ...] = tuple(VARIANTS)
+    variants: tuple[str, ...] = DEFAULT_VARIANTS
     eager_tokens: int = 48
     profile_steps: int = 0
 

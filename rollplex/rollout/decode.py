@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import logging
 import os
+import types
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -213,7 +214,8 @@ class SamplingParams:
     eos_ids (any of them ends a response), pad_id (fills finished rows), banned_ids int64 [k],
     eos_check_every (decode steps per round; the host checks "every row finished" once per round),
     cuda_graphs (replay the decode step as CUDA graphs), compile (torch.compile the step
-    before capture), compile_mode (its torch.compile mode, config.COMPILE_MODES), graph_window (own-key window granularity of the captured steps, tokens),
+    before capture; CUDA only), compile_mode (its torch.compile mode, config.COMPILE_MODES; ValueError
+    otherwise), graph_window (own-key window granularity of the captured steps, tokens),
     attention (decode attention backend, "auto", "dense" or "triton"; ``StaticDecoder``),
     fused_projections (one q/k/v and one gate/up product per layer from concatenated weight copies),
     fused_sampling (the decode steps' sampling race as Triton kernels, rollout.sample_kernel; on CUDA,
@@ -257,6 +259,10 @@ class SamplingParams:
             fused_projections=rollout.fused_projections,
             fused_sampling=rollout.fused_sampling,
         )
+
+    def __post_init__(self) -> None:
+        if self.compile_mode not in COMPILE_MODES:
+            raise ValueError(f"decode compile mode {self.compile_mode!r}: expected one of {COMPILE_MODES}")
 
     def race_options(self) -> dict:
         """The keyword arguments of ``rollout.sampler.race_tokens`` (and ``sample_tokens``) these
@@ -565,9 +571,10 @@ _COMPILED: dict[str, tuple[Callable, Callable, Callable]] = {}
 def _compiled_layer(mode: str = "default") -> tuple[Callable, Callable, Callable]:
     """``layer_qkv``, ``layer_out`` and ``layer_post`` under torch.compile in ``mode`` (config.COMPILE_MODES;
     "max-autotune" is inductor's max-autotune without its own CUDA graphs, since the decoder captures the
-    whole step itself), built once per process and mode (the cache write between them stays outside, so
-    compiled code never mutates its inputs). The first own-key window compiles for static shapes; a
-    second window or prompt length recompiles once with symbolic sizes.
+    whole step itself), built once per process and mode, each mode on its own copies of the functions
+    (the cache write between them stays outside, so compiled code never mutates its inputs). The first
+    own-key window compiles for static shapes; a second window or prompt length recompiles once with
+    symbolic sizes.
 
     Raises:
         ValueError: an unknown mode.
@@ -575,9 +582,21 @@ def _compiled_layer(mode: str = "default") -> tuple[Callable, Callable, Callable
     if mode not in COMPILE_MODES:
         raise ValueError(f"decode compile mode {mode!r}: expected one of {COMPILE_MODES}")
     if mode not in _COMPILED:
+        fns = EAGER_LAYER_FNS
+        if mode != "default":  # dynamo's recompile limit counts per code object: one per mode
+            fns = tuple(_with_own_code(fn, mode) for fn in fns)
         options = {} if mode == "default" else {"mode": "max-autotune-no-cudagraphs"}
-        _COMPILED[mode] = tuple(torch.compile(fn, **options) for fn in (layer_qkv, layer_out, layer_post))
+        _COMPILED[mode] = tuple(torch.compile(fn, **options) for fn in fns)
     return _COMPILED[mode]
+
+
+def _with_own_code(fn: Callable, tag: str) -> Callable:
+    """A copy of the plain function ``fn`` with a code object of its own (named fn_tag), so that
+    torch.compile's caches and recompile limit, kept per code object, are not shared with ``fn``."""
+    code = fn.__code__.replace(co_name=f"{fn.__name__}_{tag.replace('-', '_')}")
+    copy = types.FunctionType(code, fn.__globals__, code.co_name, fn.__defaults__, fn.__closure__)
+    copy.__kwdefaults__, copy.__doc__ = fn.__kwdefaults__, fn.__doc__
+    return copy
 
 
 def fused_sampling_runs(device: torch.device) -> bool:

@@ -219,20 +219,23 @@ def fused_decode_attention(
             views of the cache (last dim contiguous); slot ``step`` is overwritten with new_k/new_v.
         new_k/new_v: [B, Hkv, D] (last dim contiguous), the step's key (after RoPE) and value.
         step: int64 [1], own keys 0..step are valid after the write. scaling: softmax scale.
-        group_size: N. prefix_chunk/own_chunk: keys per prefix / own-key program (multiples of 64;
-            tuning knobs, measured by scripts/attention_sweep.py).
+        group_size: N. prefix_chunk/own_chunk: keys per prefix / own-key program (positive; tuning
+            knobs, measured by scripts/attention_sweep.py; any size is exact).
 
     Returns:
         [B, H·D] in the dtype of ``q`` (softmax statistics and accumulation in float32).
 
     Raises:
-        ValueError: H not a multiple of Hkv, D not a power of two ≥ 16 (Triton block sizes), or shapes,
-            strides, dtypes or devices other than the ones above (the message lists them).
+        ValueError: H not a multiple of Hkv, D not a power of two ≥ 16 (Triton block sizes), chunk sizes
+            below 1, or shapes, strides, dtypes or devices other than the ones above (the message lists
+            them).
         ImportError: Triton is not installed.
     """
     b, h, d = q.shape
     g, hkv, p = prefix_k.shape[:3]
     _check_inputs(q, prefix_k, prefix_v, prefix_lens, own_k, own_v, new_k, new_v, step, group_size)
+    if prefix_chunk < 1 or own_chunk < 1:
+        raise ValueError(f"fused decode attention needs chunk sizes >= 1, got {prefix_chunk} and {own_chunk}")
     rep, splits = h // hkv, math.ceil(p / prefix_chunk)
     own_chunks = math.ceil(own_k.shape[2] / own_chunk)
     m = torch.empty(splits + own_chunks, b, h, device=q.device, dtype=torch.float32)

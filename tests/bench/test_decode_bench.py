@@ -7,6 +7,7 @@ import torch
 
 from rollplex.bench.common import random_model
 from rollplex.bench.decode import VARIANTS, DecodeBenchConfig, run_decode_bench, step_bytes
+from rollplex.bench.variants import DEFAULT_VARIANTS
 
 
 def test_tiny_decode_bench_runs(tmp_path):
@@ -21,7 +22,14 @@ def test_tiny_decode_bench_runs(tmp_path):
         eager_tokens=4,
     )
     result = run_decode_bench(cfg, tmp_path / "decode.json")
-    assert set(result.rows) == set(VARIANTS)
+    assert (
+        set(result.rows)
+        == set(DEFAULT_VARIANTS)
+        == set(VARIANTS) - {"graphs+compile+triton+fused+sampling+autotune"}
+    )
+    assert (
+        list(result.rows)[-1] == "graphs+compile+triton+fused+sampling"
+    )  # the profiled one: the CUDA default
     assert all(row["ms_per_step"] > 0 for row in result.rows.values())
     assert (tmp_path / "decode.json").exists()
 

@@ -44,16 +44,54 @@ def test_explicit_backends_and_unknown_names():
 
 def test_compile_modes_are_built_once_and_unknown_modes_named(monkeypatch):
     """Each torch.compile mode of the decode step is built once per process with its inductor mode
-    ("max-autotune" without inductor's own CUDA graphs: the decoder captures the step itself)."""
+    ("max-autotune" without inductor's own CUDA graphs: the decoder captures the step itself), and
+    max-autotune on copies of the layer functions with code objects of their own (dynamo's caches and
+    recompile limit are per code object, so one mode's recompiles cannot push the other to eager)."""
     from rollplex.rollout import decode
 
     calls = []
     monkeypatch.setattr(decode, "_COMPILED", {})
     monkeypatch.setattr(decode.torch, "compile", lambda fn, **options: calls.append(options) or fn)
-    assert decode._compiled_layer("max-autotune") == decode.EAGER_LAYER_FNS
-    assert decode._compiled_layer("max-autotune") == decode.EAGER_LAYER_FNS
+    tuned = decode._compiled_layer("max-autotune")
+    assert decode._compiled_layer("max-autotune") is tuned
     assert calls == [{"mode": "max-autotune-no-cudagraphs"}] * 3
-    decode._compiled_layer("default")
+    for copy, original in zip(tuned, decode.EAGER_LAYER_FNS, strict=True):
+        assert copy.__code__ is not original.__code__
+        assert (
+            copy.__code__.co_code == original.__code__.co_code and copy.__defaults__ == original.__defaults__
+        )
+    assert decode._compiled_layer("default") == decode.EAGER_LAYER_FNS
     assert calls[3:] == [{}] * 3
     with pytest.raises(ValueError, match="expected one of"):
         decode._compiled_layer("reduce-overhead")
+
+
+def test_max_autotune_copies_compute_what_the_originals_do():
+    """The code-object copies are the same functions: the layer's RMSNorm/q/k/v/RoPE and post-attention
+    halves give bitwise the originals' results."""
+    from rollplex.rollout import decode
+
+    g = torch.Generator().manual_seed(0)
+    shape = DecodeShape(1, 2, 4, 2, 8, 16, 8**-0.5, 1e-6)
+    hd, inter = 32, 48
+    rand = lambda *s: torch.randn(*s, generator=g, dtype=torch.float64)  # noqa: E731
+    weights = (
+        rand(hd), (rand(32, hd), rand(16, hd), rand(16, hd)), (rand(32), rand(16), rand(16)),
+        rand(hd, 32), rand(hd), (rand(inter, hd), rand(inter, hd)), rand(hd, inter),
+    )  # fmt: skip
+    hidden, cos, sin, attention = rand(2, hd), rand(2, 8), rand(2, 8), rand(2, 32)
+    qkv, _, post = (decode._with_own_code(fn, "max-autotune") for fn in decode.EAGER_LAYER_FNS)
+    for got, want in zip(
+        qkv(hidden, cos, sin, weights, shape), decode.layer_qkv(hidden, cos, sin, weights, shape)
+    ):
+        assert torch.equal(got, want)
+    assert torch.equal(
+        post(hidden, attention, weights, shape), decode.layer_post(hidden, attention, weights, shape)
+    )
+
+
+def test_unknown_compile_mode_fails_when_the_settings_are_made():
+    from rollplex.rollout.decode import SamplingParams
+
+    with pytest.raises(ValueError, match="compile mode 'fast'"):
+        SamplingParams(1.0, 1.0, 0, 8, (1,), 0, torch.tensor([]), compile_mode="fast")

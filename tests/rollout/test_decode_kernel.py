@@ -26,10 +26,10 @@ def _case(
     lens = torch.tensor(lens, dtype=torch.int32)
     for i, length in enumerate(lens.tolist()):
         pk[i, :, length:] = pv[i, :, length:] = 0.0  # padding is zeros, as merge_prefixes pads
-    cache_k, cache_v = torch.randn(b, hkv, 512, d, generator=g), torch.randn(b, hkv, 512, d, generator=g)
+    cache_k, cache_v = torch.randn(b, hkv, 1024, d, generator=g), torch.randn(b, hkv, 1024, d, generator=g)
     cache_k[:, :, step + 1 :] = float("nan")  # unwritten slots must never be read
     cache_v[:, :, step + 1 :] = float("nan")
-    shape = DecodeShape(groups, n, h, hkv, d, 512, d**-0.5, 1e-6)
+    shape = DecodeShape(groups, n, h, hkv, d, 1024, d**-0.5, 1e-6)
     q, pk, pv, lens, cache_k, cache_v = (t.to(DEVICE) for t in (q, pk, pv, lens, cache_k, cache_v))
     return q, pk, pv, lens, cache_k[:, :, :window], cache_v[:, :, :window], step, shape
 
@@ -60,10 +60,14 @@ def _fused(q, pk, pv, lens, own_k, own_v, step, scaling, n, **knobs):
     return out
 
 
-@pytest.mark.parametrize(("seed", "window", "step"), [(0, 70, 40), (1, 70, 69), (2, 300, 40), (3, 300, 200)])
+@pytest.mark.parametrize(
+    ("seed", "window", "step"),
+    [(0, 70, 40), (1, 70, 69), (2, 300, 40), (3, 300, 200), (4, 700, 600), (5, 1000, 300)],
+)
 def test_fused_equals_dense(seed, window, step):
-    """One own-key chunk (the default 512 keys; several in test_tuning_knobs_change_no_result); the
-    step's key/value written into the cache by the kernel."""
+    """One or two own-key chunks of the default 512 keys (windows 700 and 1000: the second chunk holds
+    the step, or lies past it), as in test_tuning_knobs_change_no_result for other sizes; the step's
+    key/value written into the cache by the kernel."""
     q, pk, pv, lens, own_k, own_v, step, shape = _case(seed, window=window, step=step)
     dense = _dense(q, pk, pv, lens, own_k, own_v, step, shape)
     fused = _fused(q, pk, pv, lens, own_k, own_v, step, shape.scaling, shape.group_size)
@@ -89,6 +93,12 @@ def test_step_zero_and_group_of_one_with_odd_heads():
     q, pk, pv, lens, own_k, own_v, step, shape = _case(2, groups=2, n=1, hkv=1, rep=3, step=0, lens=(300, 1))
     dense = _dense(q, pk, pv, lens, own_k, own_v, step, shape)
     assert (_fused(q, pk, pv, lens, own_k, own_v, 0, shape.scaling, 1) - dense).abs().max() <= TOL
+
+
+def test_chunk_sizes_must_be_positive():
+    q, pk, pv, lens, own_k, own_v, step, shape = _case(6)
+    with pytest.raises(ValueError, match="chunk sizes"):
+        _fused(q, pk, pv, lens, own_k, own_v, step, shape.scaling, 3, own_chunk=0)
 
 
 def test_bad_head_dim_is_named():
