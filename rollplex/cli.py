@@ -214,7 +214,11 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
         action=argparse.BooleanOptionalAction,
         help="torch.compile the decode step (default on)",
     )
-    p.add_argument("--compile-mode", choices=COMPILE_MODES, help="torch.compile mode of the decode step")
+    p.add_argument(
+        "--compile-mode",
+        choices=COMPILE_MODES,
+        help="torch.compile mode of the decode step (default default)",
+    )
     p.add_argument(
         "--fused-projections",
         action=argparse.BooleanOptionalAction,
