@@ -1,7 +1,7 @@
 """The decode variants of ``rollplex bench decode``: ``SamplingParams`` options per name (eager; CUDA
 graphs; then torch.compile and the fused attention, alone and together; then fused projections and the
-fused sampling race on top; then torch.compile's max-autotune mode). Plain data, so the command line can list
-them without importing torch."""
+fused sampling race on top; then torch.compile's max-autotune mode, run only on request). Plain data, so
+the command line can list them without importing torch."""
 
 DECODE_VARIANTS = {
     "eager": {"cuda_graphs": False, "attention": "dense"},

@@ -571,8 +571,9 @@ _COMPILED: dict[str, tuple[Callable, Callable, Callable]] = {}
 def _compiled_layer(mode: str = "default") -> tuple[Callable, Callable, Callable]:
     """``layer_qkv``, ``layer_out`` and ``layer_post`` under torch.compile in ``mode`` (config.COMPILE_MODES;
     "max-autotune" is inductor's max-autotune without its own CUDA graphs, since the decoder captures the
-    whole step itself), built once per process and mode, each mode on its own copies of the functions
-    (the cache write between them stays outside, so compiled code never mutates its inputs). The first
+    whole step itself), built once per process and mode, max-autotune on copies of the functions with
+    code objects of their own (the cache write between them stays outside, so compiled code never
+    mutates its inputs). The first
     own-key window compiles for static shapes; a second window or prompt length recompiles once with
     symbolic sizes.
 
@@ -593,9 +594,12 @@ def _compiled_layer(mode: str = "default") -> tuple[Callable, Callable, Callable
 def _with_own_code(fn: Callable, tag: str) -> Callable:
     """A copy of the plain function ``fn`` with a code object of its own (named fn_tag), so that
     torch.compile's caches and recompile limit, kept per code object, are not shared with ``fn``."""
-    code = fn.__code__.replace(co_name=f"{fn.__name__}_{tag.replace('-', '_')}")
-    copy = types.FunctionType(code, fn.__globals__, code.co_name, fn.__defaults__, fn.__closure__)
-    copy.__kwdefaults__, copy.__doc__ = fn.__kwdefaults__, fn.__doc__
+    name = f"{fn.__name__}_{tag.replace('-', '_')}"
+    names = {"co_name": name, **({"co_qualname": name} if hasattr(fn.__code__, "co_qualname") else {})}
+    code = fn.__code__.replace(**names)
+    copy = types.FunctionType(code, fn.__globals__, name, fn.__defaults__, fn.__closure__)
+    copy.__qualname__, copy.__doc__ = name, fn.__doc__
+    copy.__kwdefaults__, copy.__annotations__ = fn.__kwdefaults__, dict(fn.__annotations__)
     return copy
 
 

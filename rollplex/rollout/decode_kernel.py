@@ -234,8 +234,10 @@ def fused_decode_attention(
     b, h, d = q.shape
     g, hkv, p = prefix_k.shape[:3]
     _check_inputs(q, prefix_k, prefix_v, prefix_lens, own_k, own_v, new_k, new_v, step, group_size)
-    if prefix_chunk < 1 or own_chunk < 1:
-        raise ValueError(f"fused decode attention needs chunk sizes >= 1, got {prefix_chunk} and {own_chunk}")
+    if not all(isinstance(c, int) and c >= 1 for c in (prefix_chunk, own_chunk)):
+        raise ValueError(
+            f"fused decode attention needs integer chunk sizes >= 1, got {prefix_chunk!r}, {own_chunk!r}"
+        )
     rep, splits = h // hkv, math.ceil(p / prefix_chunk)
     own_chunks = math.ceil(own_k.shape[2] / own_chunk)
     m = torch.empty(splits + own_chunks, b, h, device=q.device, dtype=torch.float32)

@@ -77,7 +77,12 @@ def test_fused_equals_dense(seed, window, step):
 
 @pytest.mark.parametrize(
     "knobs",
-    [{"prefix_chunk": 128, "own_chunk": 64}, {"prefix_chunk": 1024, "own_chunk": 128}, {"own_chunk": 256}],
+    [
+        {"prefix_chunk": 128, "own_chunk": 64},
+        {"prefix_chunk": 1024, "own_chunk": 128},
+        {"own_chunk": 256},
+        {"prefix_chunk": 77, "own_chunk": 100},  # sizes that are not multiples of the 64-key blocks
+    ],
 )
 def test_tuning_knobs_change_no_result(knobs):
     """Other chunk sizes (more or fewer partials per query, several own-key chunks, some past the
@@ -95,10 +100,11 @@ def test_step_zero_and_group_of_one_with_odd_heads():
     assert (_fused(q, pk, pv, lens, own_k, own_v, 0, shape.scaling, 1) - dense).abs().max() <= TOL
 
 
-def test_chunk_sizes_must_be_positive():
+@pytest.mark.parametrize("knobs", [{"own_chunk": 0}, {"prefix_chunk": -64}, {"own_chunk": 512.0}])
+def test_chunk_sizes_must_be_positive_integers(knobs):
     q, pk, pv, lens, own_k, own_v, step, shape = _case(6)
     with pytest.raises(ValueError, match="chunk sizes"):
-        _fused(q, pk, pv, lens, own_k, own_v, step, shape.scaling, 3, own_chunk=0)
+        _fused(q, pk, pv, lens, own_k, own_v, step, shape.scaling, 3, **knobs)
 
 
 def test_bad_head_dim_is_named():
