@@ -48,15 +48,18 @@ class Roles:
     @property
     def score_temperature(self) -> float:
         """Temperature of the log-prob definition (1.0 when rollout is greedy)."""
-        return self.sampling.temperature if self.sampling.temperature > 0 else 1.0
+        return self.sampling.score_temperature
 
 
 def rollout_prefix(roles: Roles, prompts: list[Prompt], sampling: SamplingParams) -> PrefixState:
     """The rollout prefix of ``prompts`` under θ_k: detached, last-position log-probs at the sampling
     temperature (1 when greedy)."""
-    temperature = sampling.temperature if sampling.temperature > 0 else 1.0
     return prefix_forward(
-        roles.actor, prompts, temperature=temperature, banned_ids=roles.banned_ids, attached=False
+        roles.actor,
+        prompts,
+        temperature=sampling.score_temperature,
+        banned_ids=roles.banned_ids,
+        attached=False,
     )
 
 

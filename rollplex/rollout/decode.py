@@ -264,6 +264,16 @@ class SamplingParams:
         if self.compile_mode not in COMPILE_MODES:
             raise ValueError(f"decode compile mode {self.compile_mode!r}: expected one of {COMPILE_MODES}")
 
+    @property
+    def score_temperature(self) -> float:
+        """Temperature of the log-prob definition: the sampling temperature, 1.0 when greedy."""
+        return self.temperature if self.temperature > 0 else 1.0
+
+    @property
+    def steps_per_round(self) -> int:
+        """Decode steps per round of the decode loop (``eos_check_every``, at least 1)."""
+        return max(1, self.eos_check_every)
+
     def race_options(self) -> dict:
         """The keyword arguments of ``rollout.sampler.race_tokens`` (and ``sample_tokens``) these
         settings give."""
@@ -285,7 +295,7 @@ def decode_steps(params: SamplingParams) -> tuple[int, int]:
     """(rounds, steps) of the decode loop at most: the R − 1 tokens after the first one, in rounds of
     K = ``eos_check_every`` steps (the last round runs the steps left)."""
     steps = max(0, params.max_tokens - 1)
-    return -(-steps // max(1, params.eos_check_every)), steps
+    return -(-steps // params.steps_per_round), steps
 
 
 @dataclass
@@ -370,7 +380,7 @@ class StaticDecoder:
             raise ValueError(f"decode supports hidden_act 'silu', got {config.hidden_act!r}")
         if getattr(config, "use_sliding_window", False):
             raise ValueError("decode attends to every key; the model config has use_sliding_window on")
-        self.steps_per_round = max(1, params.eos_check_every)
+        self.steps_per_round = params.steps_per_round
         self.rounds_total, self.steps_total = decode_steps(params)
         if record.responses.shape[1] < self.steps_total + 1:
             raise ValueError(
