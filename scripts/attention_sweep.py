@@ -1,11 +1,13 @@
 """Tuning sweep of the fused decode attention (rollplex.rollout.decode_kernel) near the 3B benchmark shape
 (8 groups × 4,000 boundary keys, 64 rows, 2 kv heads of 8 queries, D = 128).
 
-For each setting (keys per prefix and per own-key program) and a few decode steps, 36 calls, one per
+For each setting of one grid (``chunks``: keys per prefix and per own-key program; ``launch``: keys per
+inner iteration, warps and pipeline stages of the partials; ``merge``: warps of the merge) and a few
+decode steps, 36 calls, one per
 layer of the 3B model, each on its own keys and values (so no call reads what the previous one left in
 L2), are captured in a CUDA graph and replayed; the table gives microseconds per call and the key/value
 bytes it reads per microsecond.
-Usage (CUDA): python scripts/attention_sweep.py [--steps 64,256,500] [--out sweep.json]
+Usage (CUDA): python scripts/attention_sweep.py [--grid chunks|launch|merge] [--steps 64,256,500] [--out sweep.json]
 """
 
 from __future__ import annotations
@@ -64,21 +66,38 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", help="write the table as JSON here")
     parser.add_argument("--steps", default="64,256,500", help="decode steps (own keys 0..step)")
+    parser.add_argument(
+        "--grid",
+        choices=("chunks", "launch", "merge"),
+        default="chunks",
+        help="chunks: keys per prefix and own-key program; launch: keys per inner iteration, warps and "
+        "pipeline stages at the default chunks; merge: the merge launch's warps",
+    )
     args = parser.parse_args()
     steps = [int(s) for s in args.steps.split(",")]
-    settings = [
-        {"prefix_chunk": pc, "own_chunk": oc}
-        for pc, oc in itertools.product((256, 512, 1024), (128, 256, 512))
-    ]
+    if args.grid == "chunks":
+        grid = itertools.product((256, 384, 448, 512, 640, 768, 1024), (256, 512))
+        settings = [{"prefix_chunk": pc, "own_chunk": oc} for pc, oc in grid]
+    elif args.grid == "merge":
+        settings = [{"merge_warps": w} for w in (1, 2, 4, 8)]
+    else:
+        grid = itertools.product((32, 64, 128), (4, 8), (2, 3, 4))
+        settings = [{"block_keys": b, "num_warps": w, "num_stages": st} for b, w, st in grid]
     rows = []
-    print(f"{'prefix':>6} {'own':>4} " + " ".join(f"{'step ' + str(s):>16}" for s in steps))
+    print(
+        " ".join(f"{k:>12}" for k in settings[0]) + " " + " ".join(f"{'step ' + str(s):>16}" for s in steps)
+    )
     for knobs in settings:
-        times = [time_call(step, knobs) for step in steps]
+        try:
+            times = [time_call(step, knobs) for step in steps]
+        except Exception as err:  # noqa: BLE001 - e.g. out of shared memory: report, go on
+            print(f"{knobs}: failed: {type(err).__name__}: {str(err)[:200]}")
+            continue
         rows.append({**knobs, "us_per_call": dict(zip(steps, times, strict=True))})
         cells = " ".join(
             f"{t:7.2f} us {_bytes(s) / t / 1e3:4.0f}GB/s" for s, t in zip(steps, times, strict=True)
         )
-        print(f"{knobs['prefix_chunk']:>6} {knobs['own_chunk']:>4} {cells}")
+        print(" ".join(f"{v:>12}" for v in knobs.values()) + f" {cells}")
     best = min(rows, key=lambda r: math.fsum(r["us_per_call"].values()))
     print(f"best over the steps: { ({k: v for k, v in best.items() if k != 'us_per_call'}) }")
     if args.out:

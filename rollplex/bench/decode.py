@@ -84,6 +84,24 @@ def step_bytes(model, prompt_lens: list[int], group_size: int, tokens: int) -> f
     return weights + per_token * (sum(prompt_lens) + len(prompt_lens) * group_size * mean_own)
 
 
+def decode_workload(cfg: Workload) -> tuple:
+    """The decode benchmarks' inputs: (model with random weights and no gradients, the G synthetic
+    prompts, their detached rollout prefix, the banned vision-token ids).
+
+    Raises:
+        ValueError: a preset other than ``tiny`` without a CUDA device.
+    """
+    device = bench_device(cfg.preset)
+    dtype = getattr(torch, cfg.dtype)
+    model = random_model(cfg.preset, device, dtype, vision_attention=cfg.vision_attention)
+    model.requires_grad_(False)
+    shape = PromptShape(cfg.text_tokens, cfg.grid)
+    prompts = [synthetic_prompt(model, shape, seed=g, device=device, dtype=dtype) for g in range(cfg.groups)]
+    banned = torch.tensor(vision_special_ids(model.config), device=device)
+    prefix = prefix_forward(model, prompts, temperature=1.0, banned_ids=banned, attached=False)
+    return model, prompts, prefix, banned
+
+
 def run_decode_bench(cfg: DecodeBenchConfig, out: Path | None = None) -> DecodeBenchResult:
     """Decode the workload's responses under each variant and print the roofline table.
 
@@ -93,14 +111,8 @@ def run_decode_bench(cfg: DecodeBenchConfig, out: Path | None = None) -> DecodeB
     unknown = set(cfg.variants) - set(VARIANTS)
     if unknown:
         raise ValueError(f"unknown decode variants {sorted(unknown)}; expected some of {list(VARIANTS)}")
-    device = bench_device(cfg.preset)
-    dtype = getattr(torch, cfg.dtype)
-    model = random_model(cfg.preset, device, dtype, vision_attention=cfg.vision_attention)
-    model.requires_grad_(False)
-    shape = PromptShape(cfg.text_tokens, cfg.grid)
-    prompts = [synthetic_prompt(model, shape, seed=g, device=device, dtype=dtype) for g in range(cfg.groups)]
-    banned = torch.tensor(vision_special_ids(model.config), device=device)
-    prefix = prefix_forward(model, prompts, temperature=1.0, banned_ids=banned, attached=False)
+    model, prompts, prefix, banned = decode_workload(cfg)
+    device, shape = prefix.keys[0].device, PromptShape(cfg.text_tokens, cfg.grid)
     result = DecodeBenchResult(config=asdict(cfg), copy_bandwidth_gbps=copy_bandwidth(device))
     for name in cfg.variants:
         tokens = cfg.eager_tokens if name == "eager" else cfg.response_tokens

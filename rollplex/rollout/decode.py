@@ -26,6 +26,7 @@ import os
 import types
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -98,6 +99,18 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * h.to(dtype)
 
 
+def residual_add(hidden: torch.Tensor, update: torch.Tensor) -> torch.Tensor:
+    """hidden + update in hidden's dtype, bitwise. Under torch.compile the sum is formed in float32
+    (float64 for a float64 model) and rounded once, which is what an add in bf16 does: written as a
+    plain add, inductor would fold ``hidden + x·Wᵀ`` into an addmm, whose cuBLAS call first copies the
+    residual into its output (one more kernel per product); written this way, the add joins the norm
+    kernel after it. Eager, the plain add (one kernel instead of four)."""
+    if not torch.compiler.is_compiling():
+        return hidden + update
+    wide = torch.promote_types(hidden.dtype, torch.float32)
+    return (hidden.to(wide) + update.to(wide)).to(hidden.dtype)
+
+
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotary embedding of x [B, heads, D] with cos/sin [B, D]: x·cos + rotate_half(x)·sin."""
     half = x.shape[-1] // 2
@@ -156,21 +169,24 @@ def layer_qkv(
     sin: torch.Tensor,
     weights: LayerTensors,
     shape: DecodeShape,
+    rope: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """First half of a decoder layer: input norm, q/k/v projections, RoPE.
+    """First half of a decoder layer: input norm, q/k/v projections, RoPE (unless ``rope`` is False:
+    the fused attention rotates q and k itself).
 
     Args:
         hidden: [B, Hd]. cos/sin: [B, D]. weights: ``_layer_tensors`` of the layer (either layout).
 
     Returns:
-        q [B, H, D], k [B, Hkv, D], v [B, Hkv, D].
+        q [B, H, D], k [B, Hkv, D], v [B, Hkv, D] (without ``rope``, views of the product's output).
     """
     ln1, qkv, bias = weights[:3]
     b, d, h, hkv = shape.rows, shape.head_dim, shape.heads, shape.kv_heads
     x = rms_norm(hidden, ln1, shape.eps)
     q, k, v = _project(x, qkv, bias, [h * d, hkv * d, hkv * d])
-    q = rotate(q.reshape(b, h, d), cos, sin)
-    k = rotate(k.reshape(b, hkv, d), cos, sin)
+    q, k = q.reshape(b, h, d), k.reshape(b, hkv, d)
+    if rope:
+        q, k = rotate(q, cos, sin), rotate(k, cos, sin)
     return q, k, v.reshape(b, hkv, d)
 
 
@@ -179,10 +195,10 @@ def layer_post(
 ) -> torch.Tensor:
     """After attention [B, H·D]: o_proj, residual, post norm, SiLU-gated MLP, residual → hidden [B, Hd]."""
     wo, ln2, gate_up, down = weights[3:]
-    hidden = hidden + F.linear(attention, wo)
+    hidden = residual_add(hidden, F.linear(attention, wo))
     x = rms_norm(hidden, ln2, shape.eps)
     gate, up = _project(x, gate_up, None, [down.shape[1]] * 2)
-    return hidden + F.linear(F.silu(gate) * up, down)
+    return residual_add(hidden, F.linear(F.silu(gate) * up, down))
 
 
 def layer_out(
@@ -202,8 +218,82 @@ def layer_out(
     return layer_post(hidden, attention, weights, shape)
 
 
+def layer_post_qkv(
+    hidden: torch.Tensor,
+    attention: torch.Tensor,
+    weights: LayerTensors,
+    next_weights: LayerTensors,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    shape: DecodeShape,
+    rope: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``layer_post`` of one layer, then ``layer_qkv`` of the next, as one function: compiled, the
+    residual add ending the layer and the next layer's input norm become one kernel. Returns hidden
+    [B, Hd] and the next layer's q, k, v (shapes as in ``layer_qkv``)."""
+    hidden = layer_post(hidden, attention, weights, shape)
+    return (hidden, *layer_qkv(hidden, cos, sin, next_weights, shape, rope))
+
+
+def layer_out_qkv(
+    hidden: torch.Tensor,
+    q: torch.Tensor,
+    prefix_k: torch.Tensor,
+    prefix_v: torch.Tensor,
+    own_k: torch.Tensor,
+    own_v: torch.Tensor,
+    bias: torch.Tensor,
+    weights: LayerTensors,
+    next_weights: LayerTensors,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    shape: DecodeShape,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``layer_out`` (dense attention) of one layer, then ``layer_qkv`` of the next, as one function
+    (see ``layer_post_qkv``)."""
+    attention = decode_attention(q, prefix_k, prefix_v, own_k, own_v, bias, shape)
+    return layer_post_qkv(hidden, attention, weights, next_weights, cos, sin, shape)
+
+
+def step_inputs(
+    token: torch.Tensor,
+    positions: torch.Tensor,
+    embedding: torch.Tensor,
+    inv_freq: torch.Tensor,
+    scale: float,
+    dtype: torch.dtype,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The step's embedded tokens hidden [B, Hd] (rows ``token`` int64 [B] of ``embedding`` [V, Hd]) and
+    its rotary tables cos, sin [B, D] (``rope_tables`` of ``positions``)."""
+    return (F.embedding(token, embedding), *rope_tables(positions, inv_freq, scale, dtype))
+
+
+def step_logits(
+    hidden: torch.Tensor, norm: torch.Tensor, head: torch.Tensor, bias: torch.Tensor | None, eps: float
+) -> torch.Tensor:
+    """Logits [B, V] of the last layer's hidden [B, Hd]: final RMSNorm (weight ``norm``), LM head."""
+    return F.linear(rms_norm(hidden, norm, eps), head, bias)
+
+
+class LayerFns(NamedTuple):
+    """The decode step's functions, eager or compiled: ``inputs`` (embedding, rotary tables); the first
+    layer's ``qkv``; per layer, with the dense attention ``out`` (attention + post) or with the fused one
+    ``post``; for every layer but the last, ``out_qkv``/``post_qkv``, which run the next layer's ``qkv``
+    in the same function; ``logits`` (final norm, LM head)."""
+
+    inputs: Callable
+    qkv: Callable
+    out: Callable
+    post: Callable
+    out_qkv: Callable
+    post_qkv: Callable
+    logits: Callable
+
+
 ATTENTION_BACKENDS = DECODE_ATTENTION
-EAGER_LAYER_FNS = (layer_qkv, layer_out, layer_post)
+EAGER_LAYER_FNS = LayerFns(
+    step_inputs, layer_qkv, layer_out, layer_post, layer_out_qkv, layer_post_qkv, step_logits
+)
 
 
 @dataclass(frozen=True)
@@ -417,7 +507,7 @@ class StaticDecoder:
         self.window = max(1, min(params.graph_window, self.shape.budget))
         use_cuda = device.type == "cuda"
         self.attention = _check_attention(params.attention, device, self.shape)
-        self.layer_fns: tuple[Callable, Callable, Callable] = EAGER_LAYER_FNS
+        self.layer_fns: LayerFns = EAGER_LAYER_FNS
         self.race: Callable = race_tokens
         if params.fused_sampling and fused_sampling_runs(device):
             self.race = sample_kernel.fused_race
@@ -438,28 +528,42 @@ class StaticDecoder:
         return self.own_window(min((index + 1) * self.steps_per_round, self.steps_total) - 1)
 
     def _forward(self, length: int) -> torch.Tensor:
-        """Logits [B, V] of the token in ``self.token`` at response position ``self.step_index``."""
-        lm, s = self.model.model.language_model, self.shape
+        """Logits [B, V] of the token in ``self.token`` at response position ``self.step_index``.
+
+        Each layer function but the last also runs the next layer's norm and q/k/v products
+        (``LayerFns``). With the fused attention, q and the step's key reach the kernel before RoPE and
+        it rotates them, and writes the step's key/value into the cache itself."""
+        lm, s, fns = self.model.model.language_model, self.shape, self.layer_fns
         positions = self.first_position + self.step_index
-        cos, sin = rope_tables(positions, self.inv_freq, self.rope_scale, self.prefix.keys[0].dtype)
-        bias = self._bias(length) if self.attention == "dense" else None
-        hidden = lm.embed_tokens(self.token)
-        qkv, out, post = self.layer_fns
+        dtype = self.prefix.keys[0].dtype
+        embedding = lm.embed_tokens.weight
+        hidden, cos, sin = fns.inputs(self.token, positions, embedding, self.inv_freq, self.rope_scale, dtype)
+        fused = self.attention == "triton"
+        bias = None if fused else self._bias(length)
+        q, k, v = fns.qkv(hidden, cos, sin, self.weights[0], s, not fused)
         for i, weights in enumerate(self.weights):
-            q, k, v = qkv(hidden, cos, sin, weights, s)
             own_k, own_v = self.cache_k[i][:, :, :length], self.cache_v[i][:, :, :length]
             keys, values = self.prefix.keys[i], self.prefix.values[i]
-            if self.attention == "triton":  # the kernel writes k, v into the cache slot itself
+            nxt = self.weights[i + 1] if i + 1 < len(self.weights) else None
+            if fused:
                 lens, step = self.prompt_lens_i32, self.step_index
                 attention = fused_decode_attention(
-                    q, keys, values, lens, own_k, own_v, k, v, step, s.scaling, s.group_size
+                    q, keys, values, lens, own_k, own_v, k, v, step, s.scaling, s.group_size, cos=cos, sin=sin
                 )
-                hidden = post(hidden, attention, weights, s)
+                if nxt is None:
+                    hidden = fns.post(hidden, attention, weights, s)
+                else:
+                    hidden, q, k, v = fns.post_qkv(hidden, attention, weights, nxt, cos, sin, s, False)
             else:
                 own_k.index_copy_(2, self.step_index, k[:, :, None])
                 own_v.index_copy_(2, self.step_index, v[:, :, None])
-                hidden = out(hidden, q, keys, values, own_k, own_v, bias, weights, s)
-        return self.model.lm_head(lm.norm(hidden))
+                attend = (hidden, q, keys, values, own_k, own_v, bias, weights)
+                if nxt is None:
+                    hidden = fns.out(*attend, s)
+                else:
+                    hidden, q, k, v = fns.out_qkv(*attend, nxt, cos, sin, s)
+        head = self.model.lm_head
+        return fns.logits(hidden, lm.norm.weight, head.weight, head.bias, float(lm.norm.variance_epsilon))
 
     def _bias(self, length: int) -> torch.Tensor:
         """Additive mask float32 [B, 1, 1, P + L] of the dense attention: prompt padding and own slots
@@ -494,7 +598,7 @@ class StaticDecoder:
             return
         lengths = sorted({self.round_window(r) for r in range(self.rounds_total)})
         current = torch.cuda.current_stream(self.token.device)
-        warm = torch.cuda.Stream(self.token.device, priority=current.priority)
+        warm = _capture_stream(self.token.device, current.priority)
         warm.wait_stream(current)
         with torch.cuda.stream(warm):
             for length in lengths:  # compilation, cuBLAS handles and workspaces happen here
@@ -575,11 +679,26 @@ class StaticDecoder:
         return self.steps_done
 
 
-_COMPILED: dict[str, tuple[Callable, Callable, Callable]] = {}
+_CAPTURE_STREAMS: dict[tuple[int, int], torch.cuda.Stream] = {}
 
 
-def _compiled_layer(mode: str = "default") -> tuple[Callable, Callable, Callable]:
-    """``layer_qkv``, ``layer_out`` and ``layer_post`` under torch.compile in ``mode`` (config.COMPILE_MODES;
+def _capture_stream(device: torch.device, priority: int) -> torch.cuda.Stream:
+    """The stream decode graphs are warmed up and captured on, one per (device, priority) for the life
+    of the process: cuBLAS keeps a workspace per (handle, stream) until exit, so a fresh stream per
+    rollout would leave one more workspace behind each time (until torch's pool of 32 streams repeats).
+    Only ``StaticDecoder.capture`` uses it, and captures run one at a time."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    key = (index, priority)
+    if key not in _CAPTURE_STREAMS:
+        _CAPTURE_STREAMS[key] = torch.cuda.Stream(index, priority=priority)
+    return _CAPTURE_STREAMS[key]
+
+
+_COMPILED: dict[str, LayerFns] = {}
+
+
+def _compiled_layer(mode: str = "default") -> LayerFns:
+    """The layer functions (``LayerFns``) under torch.compile in ``mode`` (config.COMPILE_MODES;
     "max-autotune" is inductor's max-autotune without its own CUDA graphs, since the decoder captures the
     whole step itself), built once per process and mode, max-autotune on copies of the functions with
     code objects of their own (the cache write between them stays outside, so compiled code never
@@ -595,9 +714,9 @@ def _compiled_layer(mode: str = "default") -> tuple[Callable, Callable, Callable
     if mode not in _COMPILED:
         fns = EAGER_LAYER_FNS
         if mode != "default":  # dynamo's recompile limit counts per code object: one per mode
-            fns = tuple(_with_own_code(fn, mode) for fn in fns)
+            fns = LayerFns(*(_with_own_code(fn, mode) for fn in fns))
         options = {} if mode == "default" else {"mode": "max-autotune-no-cudagraphs"}
-        _COMPILED[mode] = tuple(torch.compile(fn, **options) for fn in fns)
+        _COMPILED[mode] = LayerFns(*(torch.compile(fn, **options) for fn in fns))
     return _COMPILED[mode]
 
 

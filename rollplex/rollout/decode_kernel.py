@@ -19,7 +19,8 @@ cores. Own-key programs, one per (row, kv head, chunk of the own-key window): th
 against its own keys 0..step (the step is read on the device, so the kernels can be captured in a
 CUDA graph and read no unwritten cache slot; chunks past the step store empty partials). The own-key
 program whose chunk holds the step first writes the step's key and value into the cache, so the step
-needs no separate cache write.
+needs no separate cache write. Given the rotary tables, every program applies RoPE to the queries it
+loads, and the cache write to the step's key, so the step needs no RoPE kernel either.
 
 The CUDA default (``rollout.decode_attention: auto``): on the 3B workload the captured decode step
 takes 6.7 ms with it against 10.6 ms with the dense attention (4.5 against 8.7 ms with torch.compile),
@@ -42,6 +43,8 @@ except ImportError:  # pragma: no cover - exercised only on installs without Tri
 PREFIX_CHUNK = 512  # boundary keys per prefix program
 OWN_CHUNK = 512  # own keys per own-key program (scripts/attention_sweep.py picked both on one H200)
 BLOCK_KEYS = 64  # keys per inner iteration
+NUM_WARPS, NUM_STAGES = 4, 3  # the partials launch (Triton's defaults; the sweep's fastest on one H200)
+MERGE_WARPS = 1  # the merge launch, one (row, head) per program (the sweep's fastest on one H200)
 
 
 def supports(heads: int, kv_heads: int, head_dim: int) -> bool:
@@ -87,6 +90,21 @@ def _attend_range(
 
 
 @_jit
+def _load_rotated(x, x_at, cs_at, cos, sin, d, mask, D: tl.constexpr, ROPE: tl.constexpr):
+    """Vectors x[x_at + d] (d along the last axis of the offsets), rotated by the rotary embedding when
+    ROPE: x·cos + rotate_half(x)·sin with cos/sin[cs_at + d], computed in float32 and rounded once to
+    x's dtype (as torch.compile computes RoPE); masked-off lanes load 0."""
+    v = tl.load(x + x_at + d, mask=mask, other=0.0)
+    if ROPE:
+        half = D // 2
+        partner = tl.load(x + x_at + (d + half) % D, mask=mask, other=0.0).to(tl.float32)
+        c = tl.load(cos + cs_at + d, mask=mask, other=0.0).to(tl.float32)
+        s = tl.load(sin + cs_at + d, mask=mask, other=0.0).to(tl.float32)
+        v = (v.to(tl.float32) * c + tl.where(d < half, -partner, partner) * s).to(v.dtype)
+    return v
+
+
+@_jit
 def _store(m_out, l_out, acc_out, at, acc_at, d, m, s_sum, acc, valid_q):
     tl.store(m_out + at, m, mask=valid_q)
     tl.store(l_out + at, s_sum, mask=valid_q)
@@ -95,11 +113,11 @@ def _store(m_out, l_out, acc_out, at, acc_at, d, m, s_sum, acc, valid_q):
 
 @_jit
 def _prefix_program(
-    pid, q, pk, pv, lens, m_out, l_out, acc_out,
-    sq_b, sq_h, spk_g, spk_h, spk_p, spv_g, spv_h, spv_p,
+    pid, q, cos, sin, pk, pv, lens, m_out, l_out, acc_out,
+    sq_b, sq_h, scs_b, spk_g, spk_h, spk_p, spv_g, spv_h, spv_p,
     so_s, so_b, so_h, sa_s, sa_b, sa_h,
     splits, scale, N: tl.constexpr, REP: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr,
-    NQ: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr,
+    NQ: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr, ROPE: tl.constexpr,
 ):  # fmt: skip
     """Program (group·Hkv + kv head)·splits + chunk: the group's N·rep queries of one kv head against
     one chunk of its boundary keys."""
@@ -108,7 +126,8 @@ def _prefix_program(
     iq, d = tl.arange(0, NQ), tl.arange(0, D)
     valid_q = iq < N * REP
     b, h = g * N + iq // REP, k * REP + iq % REP
-    qb = tl.load(q + b[:, None] * sq_b + h[:, None] * sq_h + d[None, :], mask=valid_q[:, None], other=0.0)
+    q_at, cs_at = b[:, None] * sq_b + h[:, None] * sq_h, b[:, None] * scs_b
+    qb = _load_rotated(q, q_at, cs_at, cos, sin, d[None, :], valid_q[:, None], D, ROPE)
     lo = split * CHUNK
     hi = tl.minimum(lo + CHUNK, tl.load(lens + g))
     k_base, v_base = pk + g * spk_g + k * spk_h, pv + g * spv_g + k * spv_h
@@ -119,11 +138,11 @@ def _prefix_program(
 
 @_jit
 def _own_program(
-    pid, q, ok, ov, nk, nv, step, m_out, l_out, acc_out,
-    sq_b, sq_h, sok_b, sok_h, sok_l, sov_b, sov_h, sov_l, snk_b, snk_h, snv_b, snv_h,
+    pid, q, cos, sin, ok, ov, nk, nv, step, m_out, l_out, acc_out,
+    sq_b, sq_h, scs_b, sok_b, sok_h, sok_l, sov_b, sov_h, sov_l, snk_b, snk_h, snv_b, snv_h,
     so_s, so_b, so_h, sa_s, sa_b, sa_h,
     first_split, own_chunks, scale, REP: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr,
-    NQ: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr,
+    NQ: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr, ROPE: tl.constexpr,
 ):  # fmt: skip
     """Program (row·Hkv + kv head)·own_chunks + chunk: the row's rep queries of one kv head against one
     chunk of its own keys 0..step (a chunk past the step stores an empty partial). The program whose
@@ -134,11 +153,14 @@ def _own_program(
     iq, d = tl.arange(0, NQ), tl.arange(0, D)
     valid_q = iq < REP
     h = k * REP + iq
-    qb = tl.load(q + b * sq_b + h[:, None] * sq_h + d[None, :], mask=valid_q[:, None], other=0.0)
+    qb = _load_rotated(
+        q, b * sq_b + h[:, None] * sq_h, b * scs_b, cos, sin, d[None, :], valid_q[:, None], D, ROPE
+    )
     lo, now = chunk * CHUNK, tl.load(step)
     k_base, v_base = ok + b * sok_b + k * sok_h, ov + b * sov_b + k * sov_h
     if (now >= lo) & (now < lo + CHUNK):
-        tl.store(k_base + now * sok_l + d, tl.load(nk + b * snk_b + k * snk_h + d))
+        new_k = _load_rotated(nk, b * snk_b + k * snk_h, b * scs_b, cos, sin, d, d < D, D, ROPE)
+        tl.store(k_base + now * sok_l + d, new_k)
         tl.store(v_base + now * sov_l + d, tl.load(nv + b * snv_b + k * snv_h + d))
         tl.debug_barrier()  # the block's own stores are visible to its loads below
     hi = tl.minimum(lo + CHUNK, now + 1)
@@ -149,30 +171,31 @@ def _own_program(
 
 @_jit
 def _partials(
-    q, pk, pv, lens, ok, ov, nk, nv, step, m_out, l_out, acc_out,
-    sq_b, sq_h, spk_g, spk_h, spk_p, spv_g, spv_h, spv_p,
+    q, cos, sin, pk, pv, lens, ok, ov, nk, nv, step, m_out, l_out, acc_out,
+    sq_b, sq_h, scs_b, spk_g, spk_h, spk_p, spv_g, spv_h, spv_p,
     sok_b, sok_h, sok_l, sov_b, sov_h, sov_l, snk_b, snk_h, snv_b, snv_h,
     so_s, so_b, so_h, sa_s, sa_b, sa_h,
     prefix_programs, splits, own_chunks, scale,
     N: tl.constexpr, REP: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, NQ_PREFIX: tl.constexpr,
     NQ_OWN: tl.constexpr, PREFIX_CHUNK_: tl.constexpr, OWN_CHUNK_: tl.constexpr, BLOCK: tl.constexpr,
+    ROPE: tl.constexpr,
 ):  # fmt: skip
     """One launch for both kinds of partials: programs 0..prefix_programs-1 are prefix programs, the
     rest own-key programs (so the two bandwidth-bound halves share the device instead of queueing)."""
     pid = tl.program_id(0).to(tl.int64)
     if pid < prefix_programs:
         _prefix_program(
-            pid, q, pk, pv, lens, m_out, l_out, acc_out,
-            sq_b, sq_h, spk_g, spk_h, spk_p, spv_g, spv_h, spv_p,
+            pid, q, cos, sin, pk, pv, lens, m_out, l_out, acc_out,
+            sq_b, sq_h, scs_b, spk_g, spk_h, spk_p, spv_g, spv_h, spv_p,
             so_s, so_b, so_h, sa_s, sa_b, sa_h,
-            splits, scale, N, REP, HKV, D, NQ_PREFIX, PREFIX_CHUNK_, BLOCK,
+            splits, scale, N, REP, HKV, D, NQ_PREFIX, PREFIX_CHUNK_, BLOCK, ROPE,
         )  # fmt: skip
     else:
         _own_program(
-            pid - prefix_programs, q, ok, ov, nk, nv, step, m_out, l_out, acc_out,
-            sq_b, sq_h, sok_b, sok_h, sok_l, sov_b, sov_h, sov_l, snk_b, snk_h, snv_b, snv_h,
+            pid - prefix_programs, q, cos, sin, ok, ov, nk, nv, step, m_out, l_out, acc_out,
+            sq_b, sq_h, scs_b, sok_b, sok_h, sok_l, sov_b, sov_h, sov_l, snk_b, snk_h, snv_b, snv_h,
             so_s, so_b, so_h, sa_s, sa_b, sa_h,
-            splits, own_chunks, scale, REP, HKV, D, NQ_OWN, OWN_CHUNK_, BLOCK,
+            splits, own_chunks, scale, REP, HKV, D, NQ_OWN, OWN_CHUNK_, BLOCK, ROPE,
         )  # fmt: skip
 
 
@@ -207,8 +230,14 @@ def fused_decode_attention(
     scaling: float,
     group_size: int,
     *,
+    cos: torch.Tensor | None = None,
+    sin: torch.Tensor | None = None,
     prefix_chunk: int = PREFIX_CHUNK,
     own_chunk: int = OWN_CHUNK,
+    block_keys: int = BLOCK_KEYS,
+    num_warps: int = NUM_WARPS,
+    num_stages: int = NUM_STAGES,
+    merge_warps: int = MERGE_WARPS,
 ) -> torch.Tensor:
     """Write the step's key/value into the cache, then attend: one query per row over [its group's
     boundary KV ; its own keys 0..step].
@@ -219,44 +248,74 @@ def fused_decode_attention(
             views of the cache (last dim contiguous); slot ``step`` is overwritten with new_k/new_v.
         new_k/new_v: [B, Hkv, D] (last dim contiguous), the step's key (after RoPE) and value.
         step: int64 [1], own keys 0..step are valid after the write. scaling: softmax scale.
+        cos/sin: [B, D] in q's dtype (last dim contiguous), or None: the rotary tables of the rows'
+            current positions (rollout.decode.rope_tables). Given, q and new_k come before RoPE and the
+            kernel rotates them as it loads them (in float32, rounded once), so the step needs no
+            RoPE kernel; None: q and new_k come rotated.
         group_size: N. prefix_chunk/own_chunk: keys per prefix / own-key program (positive; tuning
-            knobs, measured by scripts/attention_sweep.py; any size is exact).
+            knobs, measured by scripts/attention_sweep.py; any size is exact). block_keys (a power of
+            two >= 16), num_warps, num_stages: keys per inner iteration and the partials launch's warps
+            and pipeline stages; merge_warps: the merge launch's warps (tuning knobs as well).
 
     Returns:
         [B, H·D] in the dtype of ``q`` (softmax statistics and accumulation in float32).
 
     Raises:
-        ValueError: H not a multiple of Hkv, D not a power of two ≥ 16 (Triton block sizes), chunk sizes
-            below 1, or shapes, strides, dtypes or devices other than the ones above (the message lists
+        ValueError: H not a multiple of Hkv, D not a power of two ≥ 16 (Triton block sizes), knobs out
+            of range, or shapes, strides, dtypes or devices other than the ones above (the message lists
             them).
         ImportError: Triton is not installed.
     """
     b, h, d = q.shape
     g, hkv, p = prefix_k.shape[:3]
     _check_inputs(q, prefix_k, prefix_v, prefix_lens, own_k, own_v, new_k, new_v, step, group_size)
-    if not all(isinstance(c, int) and c >= 1 for c in (prefix_chunk, own_chunk)):
+    _check_rope(q, cos, sin)
+    knobs = (prefix_chunk, own_chunk, num_warps, num_stages, merge_warps)
+    if not all(isinstance(c, int) and c >= 1 for c in knobs):
         raise ValueError(
-            f"fused decode attention needs integer chunk sizes >= 1, got {prefix_chunk!r}, {own_chunk!r}"
+            f"fused decode attention needs integer chunk sizes, warps and stages >= 1, got {knobs}"
         )
+    if not isinstance(block_keys, int) or block_keys < 16 or block_keys & (block_keys - 1):
+        raise ValueError(f"fused decode attention needs block_keys a power of two >= 16, got {block_keys!r}")
     rep, splits = h // hkv, math.ceil(p / prefix_chunk)
     own_chunks = math.ceil(own_k.shape[2] / own_chunk)
     m = torch.empty(splits + own_chunks, b, h, device=q.device, dtype=torch.float32)
     l_ = torch.empty_like(m)
     acc = torch.empty(splits + own_chunks, b, h, d, device=q.device, dtype=torch.float32)
     prefix_programs = g * hkv * splits
+    rope = cos is not None
+    cos, sin = (cos, sin) if rope else (q, q)  # unread without RoPE
     _partials[(prefix_programs + b * hkv * own_chunks,)](
-        q, prefix_k, prefix_v, prefix_lens, own_k, own_v, new_k, new_v, step, m, l_, acc,
-        q.stride(0), q.stride(1), *prefix_k.stride()[:3], *prefix_v.stride()[:3],
+        q, cos, sin, prefix_k, prefix_v, prefix_lens, own_k, own_v, new_k, new_v, step, m, l_, acc,
+        q.stride(0), q.stride(1), cos.stride(0) if rope else 0, *prefix_k.stride()[:3], *prefix_v.stride()[:3],
         *own_k.stride()[:3], *own_v.stride()[:3], *new_k.stride()[:2], *new_v.stride()[:2],
         *m.stride(), *acc.stride()[:3],
         prefix_programs, splits, own_chunks, scaling,
         N=group_size, REP=rep, HKV=hkv, D=d, NQ_PREFIX=_pow2(group_size * rep), NQ_OWN=_pow2(rep),
-        PREFIX_CHUNK_=prefix_chunk, OWN_CHUNK_=own_chunk, BLOCK=BLOCK_KEYS,
+        PREFIX_CHUNK_=prefix_chunk, OWN_CHUNK_=own_chunk, BLOCK=block_keys, ROPE=rope,
+        num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
     out = torch.empty(b, h * d, device=q.device, dtype=q.dtype)
     parts = splits + own_chunks
-    _merge[(b * h,)](m, l_, acc, out, parts, m.stride(0), acc.stride(0), D=d, S=_pow2(parts, 2))
+    _merge[(b * h,)](
+        m, l_, acc, out, parts, m.stride(0), acc.stride(0), D=d, S=_pow2(parts, 2), num_warps=merge_warps
+    )
     return out
+
+
+def _check_rope(q: torch.Tensor, cos: torch.Tensor | None, sin: torch.Tensor | None) -> None:
+    """cos and sin both given, [B, D] in q's dtype and device with a contiguous last dim, or both None."""
+    if cos is None and sin is None:
+        return
+    tables = [t for t in (cos, sin) if t is not None]
+    b, _, d = q.shape
+    if len(tables) != 2 or any(
+        t.shape != (b, d) or t.dtype != q.dtype or t.device != q.device or t.stride(-1) != 1 for t in tables
+    ):
+        raise ValueError(
+            f"fused decode attention needs cos and sin both None or both [B, D] = [{b}, {d}] in q's "
+            f"dtype {q.dtype} on {q.device}, last dim contiguous"
+        )
 
 
 def _check_inputs(

@@ -54,14 +54,15 @@ def test_compile_modes_are_built_once_and_unknown_modes_named(monkeypatch):
     monkeypatch.setattr(decode.torch, "compile", lambda fn, **options: calls.append(options) or fn)
     tuned = decode._compiled_layer("max-autotune")
     assert decode._compiled_layer("max-autotune") is tuned
-    assert calls == [{"mode": "max-autotune-no-cudagraphs"}] * 3
+    count = len(decode.EAGER_LAYER_FNS)
+    assert calls == [{"mode": "max-autotune-no-cudagraphs"}] * count
     for copy, original in zip(tuned, decode.EAGER_LAYER_FNS, strict=True):
         assert copy.__code__ is not original.__code__
         assert (
             copy.__code__.co_code == original.__code__.co_code and copy.__defaults__ == original.__defaults__
         )
     assert decode._compiled_layer("default") == decode.EAGER_LAYER_FNS
-    assert calls[3:] == [{}] * 3
+    assert calls[count:] == [{}] * count
     with pytest.raises(ValueError, match="expected one of"):
         decode._compiled_layer("reduce-overhead")
 
@@ -115,3 +116,20 @@ def test_unknown_compile_mode_fails_when_the_settings_are_made():
 
     with pytest.raises(ValueError, match="compile mode 'fast'"):
         SamplingParams(1.0, 1.0, 0, 8, (1,), 0, torch.tensor([]), compile_mode="fast")
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32, torch.float64])
+def test_residual_add_is_the_add_of_the_dtype_bitwise(dtype, monkeypatch):
+    """The decode step's residual add as compiled (formed in a wider type, rounded once) equals the
+    plain add in the model's dtype bit for bit, over magnitudes 1e-6..1e6 on both sides (where a bf16
+    sum rounds)."""
+    from rollplex.rollout.decode import residual_add
+
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+
+    g = torch.Generator().manual_seed(0)
+    scale = torch.logspace(-6, 6, 8192, dtype=torch.float64)
+    a = (torch.randn(8192, generator=g, dtype=torch.float64) * scale).to(dtype)
+    b = (torch.randn(8192, generator=g, dtype=torch.float64) * scale.flip(0)).to(dtype)
+    out = residual_add(a, b)
+    assert out.dtype == dtype and torch.equal(out, a + b)

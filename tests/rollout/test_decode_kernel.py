@@ -9,7 +9,7 @@ import torch
 
 pytest.importorskip("triton")
 
-from rollplex.rollout.decode import DecodeShape, decode_attention  # noqa: E402
+from rollplex.rollout.decode import DecodeShape, decode_attention, rope_tables, rotate  # noqa: E402
 from rollplex.rollout.decode_kernel import PREFIX_CHUNK, fused_decode_attention  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -100,6 +100,70 @@ def test_step_zero_and_group_of_one_with_odd_heads():
     assert (_fused(q, pk, pv, lens, own_k, own_v, 0, shape.scaling, 1) - dense).abs().max() <= TOL
 
 
+def _rope(rows: int, d: int, dtype):
+    """cos, sin [rows, D] of positions far past the prompt (rows apart), as the decoder builds them."""
+    positions = torch.arange(rows, device=DEVICE) * 37 + 4000
+    inv_freq = 1.0 / 1e6 ** (torch.arange(0, d, 2, device=DEVICE, dtype=torch.float32) / d)
+    return rope_tables(positions, inv_freq, 1.0, dtype)
+
+
+@pytest.mark.parametrize(("seed", "window", "step"), [(7, 300, 200), (8, 700, 600), (9, 70, 0)])
+def test_rope_in_the_kernel_equals_rotating_first(seed, window, step):
+    """Given cos/sin, the kernel takes q and the step's key before RoPE: the output equals the dense
+    attention of the rotated query over a cache holding the rotated key, and the cache slot gets the key
+    as ``rotate`` computes it."""
+    q, pk, pv, lens, own_k, own_v, step, shape = _case(seed, window=window, step=step)
+    cos, sin = _rope(q.shape[0], q.shape[2], q.dtype)
+    new_k, new_v = own_k[:, :, step].clone(), own_v[:, :, step].clone()
+    rotated_k = rotate(new_k, cos, sin)
+    reference_k = own_k.clone()
+    reference_k[:, :, step] = rotated_k
+    dense = _dense(rotate(q, cos, sin), pk, pv, lens, reference_k, own_v, step, shape)
+    own_k[:, :, step] = own_v[:, :, step] = float("nan")
+    step_t = torch.tensor([step], device=DEVICE)
+    fused = fused_decode_attention(
+        q, pk, pv, lens, own_k, own_v, new_k, new_v, step_t, shape.scaling, shape.group_size, cos=cos, sin=sin
+    )
+    assert (fused - dense).abs().max() <= TOL
+    assert (own_k[:, :, step] - rotated_k).abs().max() <= TOL and torch.equal(own_v[:, :, step], new_v)
+    assert (fused - _dense(q, pk, pv, lens, reference_k, own_v, step, shape)).abs().max() > 10 * TOL
+
+
+def test_rope_tables_must_match_q():
+    q, pk, pv, lens, own_k, own_v, step, shape = _case(6)
+    cos, sin = _rope(q.shape[0], q.shape[2], q.dtype)
+    new = (own_k[:, :, step].clone(), own_v[:, :, step].clone())
+    step_t = torch.tensor([step], device=DEVICE)
+    for tables in ({"cos": cos}, {"cos": cos, "sin": sin[:1]}, {"cos": cos, "sin": sin.double()}):
+        with pytest.raises(ValueError, match="cos and sin"):
+            fused_decode_attention(q, pk, pv, lens, own_k, own_v, *new, step_t, shape.scaling, 3, **tables)
+
+
+@pytest.mark.parametrize(
+    "knobs",
+    [
+        {"block_keys": 32, "num_warps": 8, "num_stages": 2},
+        {"block_keys": 128, "num_stages": 1},
+        {"merge_warps": 4},
+    ],
+)
+def test_launch_knobs_change_no_result(knobs):
+    """Other key blocks, warps and pipeline stages give the dense result too."""
+    q, pk, pv, lens, own_k, own_v, step, shape = _case(10, window=300, step=200)
+    dense = _dense(q, pk, pv, lens, own_k, own_v, step, shape)
+    fused = _fused(q, pk, pv, lens, own_k, own_v, step, shape.scaling, shape.group_size, **knobs)
+    assert (fused - dense).abs().max() <= TOL
+
+
+@pytest.mark.parametrize(
+    "knobs", [{"block_keys": 48}, {"block_keys": 8}, {"num_warps": 0}, {"merge_warps": 0}]
+)
+def test_launch_knobs_are_checked(knobs):
+    q, pk, pv, lens, own_k, own_v, step, shape = _case(6)
+    with pytest.raises(ValueError, match="block_keys|warps"):
+        _fused(q, pk, pv, lens, own_k, own_v, step, shape.scaling, 3, **knobs)
+
+
 @pytest.mark.parametrize("knobs", [{"own_chunk": 0}, {"prefix_chunk": -64}, {"own_chunk": 512.0}])
 def test_chunk_sizes_must_be_positive_integers(knobs):
     q, pk, pv, lens, own_k, own_v, step, shape = _case(6)
@@ -148,13 +212,9 @@ def _inputs_3b(step: int = 300):
     return q, pk, pv, lens_t, own_k, own_v, step, shape
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_bf16_at_the_3b_shape_against_float64():
-    """The GPU configuration against a float64 dense reference of the same bf16 inputs: ≤ 2e-2 max abs
-    (bf16 inputs, float32 softmax, bf16 probabilities in the value product)."""
-    q, pk, pv, lens_t, own_k, own_v, step, shape = _inputs_3b()
+def _float64_reference(q, pk, pv, lens_t, own_k, own_v, step, shape) -> torch.Tensor:
+    """The dense decode attention in float64 of the given inputs (own slots after the step hidden)."""
     p, window, rows = pk.shape[2], own_k.shape[2], q.shape[0]
-    fused = _fused(q, pk, pv, lens_t, own_k, own_v, step, shape.scaling, shape.group_size)
     hidden = torch.cat(
         [
             (torch.arange(p, device="cuda")[None, :] >= lens_t[:, None]).repeat_interleave(
@@ -165,7 +225,48 @@ def test_bf16_at_the_3b_shape_against_float64():
         dim=1,
     )
     bias = torch.zeros(hidden.shape, device="cuda", dtype=torch.float64).masked_fill(hidden, float("-inf"))
-    ref = decode_attention(*(t.double() for t in (q, pk, pv, own_k, own_v)), bias[:, None, None, :], shape)
-    err = (fused.double() - ref).abs().max()
+    return decode_attention(*(t.double() for t in (q, pk, pv, own_k, own_v)), bias[:, None, None, :], shape)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_bf16_at_the_3b_shape_against_float64():
+    """The GPU configuration against a float64 dense reference of the same bf16 inputs: ≤ 2e-2 max abs
+    (bf16 inputs, float32 softmax, bf16 probabilities in the value product)."""
+    q, pk, pv, lens_t, own_k, own_v, step, shape = _inputs_3b()
+    fused = _fused(q, pk, pv, lens_t, own_k, own_v, step, shape.scaling, shape.group_size)
+    err = (fused.double() - _float64_reference(q, pk, pv, lens_t, own_k, own_v, step, shape)).abs().max()
     print(f"fused bf16 vs float64 dense: max abs {float(err):.3g}")
     assert err <= 2e-2
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_bf16_rope_at_the_3b_shape_against_float64():
+    """RoPE in the kernel, in bf16 at the 3B shape, against a float64 reference that rotates q and the
+    step's key in float64 (same bound as above; the kernel rounds the rotated values to bf16)."""
+    q, pk, pv, lens_t, own_k, own_v, step, shape = _inputs_3b()
+    cos, sin = _rope(q.shape[0], q.shape[2], q.dtype)
+    new_k, new_v = own_k[:, :, step].clone(), own_v[:, :, step].clone()
+    reference_k = own_k.double()
+    reference_k[:, :, step] = rotate(new_k.double(), cos.double(), sin.double())
+    step_t = torch.tensor([step], device="cuda")
+    fused = fused_decode_attention(
+        q,
+        pk,
+        pv,
+        lens_t,
+        own_k,
+        own_v,
+        new_k,
+        new_v,
+        step_t,
+        shape.scaling,
+        shape.group_size,
+        cos=cos,
+        sin=sin,
+    )
+    rotated_q = rotate(q.double(), cos.double(), sin.double())
+    ref = _float64_reference(rotated_q, pk, pv, lens_t, reference_k, own_v, step, shape)
+    err = (fused.double() - ref).abs().max()
+    print(f"fused bf16 with RoPE vs float64 dense: max abs {float(err):.3g}")
+    assert err <= 2e-2
+    assert (own_k[:, :, step].double() - reference_k[:, :, step]).abs().max() <= 2e-2
