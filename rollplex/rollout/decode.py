@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 import types
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -229,8 +230,16 @@ def layer_post_qkv(
     rope: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """``layer_post`` of one layer, then ``layer_qkv`` of the next, as one function: compiled, the
-    residual add ending the layer and the next layer's input norm become one kernel. Returns hidden
-    [B, Hd] and the next layer's q, k, v (shapes as in ``layer_qkv``)."""
+    residual add ending the layer and the next layer's input norm become one kernel.
+
+    Args:
+        hidden: [B, Hd]. attention: [B, H·D]. weights / next_weights: ``_layer_tensors`` of this layer
+            and the next. cos/sin: [B, D]. rope: as in ``layer_qkv`` (False for the fused attention,
+            which rotates q and k itself).
+
+    Returns:
+        hidden [B, Hd] after this layer, and the next layer's q, k, v (shapes as in ``layer_qkv``).
+    """
     hidden = layer_post(hidden, attention, weights, shape)
     return (hidden, *layer_qkv(hidden, cos, sin, next_weights, shape, rope))
 
@@ -249,8 +258,9 @@ def layer_out_qkv(
     sin: torch.Tensor,
     shape: DecodeShape,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``layer_out`` (dense attention) of one layer, then ``layer_qkv`` of the next, as one function
-    (see ``layer_post_qkv``)."""
+    """``layer_out`` (dense attention) of one layer, then ``layer_qkv`` of the next with RoPE, as one
+    function (see ``layer_post_qkv``). q .. bias as in ``decode_attention``; hidden, weights,
+    next_weights, cos, sin as in ``layer_post_qkv``. Returns hidden [B, Hd] and the next q, k, v."""
     attention = decode_attention(q, prefix_k, prefix_v, own_k, own_v, bias, shape)
     return layer_post_qkv(hidden, attention, weights, next_weights, cos, sin, shape)
 
@@ -585,7 +595,8 @@ class StaticDecoder:
         without graphs). Call before other threads put work on the device: capture must not
         interleave with their allocations.
 
-        Graphs are captured on a stream of the current stream's priority: PyTorch instantiates graphs
+        Graphs are captured on a stream of the current stream's priority, one per priority for the
+        process, so captures take a module lock and run one at a time. PyTorch instantiates graphs
         with per-node priorities, so replayed kernels keep the priority of the stream they were
         captured on (not the one they are replayed on). Warm-up runs the forward (it overwrites cache
         slot 0, which step 0 writes again) and the sampling race on noise of ones: it draws no random
@@ -598,7 +609,12 @@ class StaticDecoder:
             return
         lengths = sorted({self.round_window(r) for r in range(self.rounds_total)})
         current = torch.cuda.current_stream(self.token.device)
-        warm = _capture_stream(self.token.device, current.priority)
+        with _CAPTURE_LOCK:  # the capture stream is shared: one capture at a time
+            self._capture_on(_capture_stream(self.token.device, current.priority), current, lengths)
+
+    def _capture_on(self, warm: torch.cuda.Stream, current: torch.cuda.Stream, lengths: list[int]) -> None:
+        """``capture``'s warm-up and capture of the windows ``lengths`` on the stream ``warm``, ordered
+        after and before ``current``."""
         warm.wait_stream(current)
         with torch.cuda.stream(warm):
             for length in lengths:  # compilation, cuBLAS handles and workspaces happen here
@@ -680,13 +696,14 @@ class StaticDecoder:
 
 
 _CAPTURE_STREAMS: dict[tuple[int, int], torch.cuda.Stream] = {}
+_CAPTURE_LOCK = threading.Lock()
 
 
 def _capture_stream(device: torch.device, priority: int) -> torch.cuda.Stream:
     """The stream decode graphs are warmed up and captured on, one per (device, priority) for the life
     of the process: cuBLAS keeps a workspace per (handle, stream) until exit, so a fresh stream per
     rollout would leave one more workspace behind each time (until torch's pool of 32 streams repeats).
-    Only ``StaticDecoder.capture`` uses it, and captures run one at a time."""
+    Only ``StaticDecoder.capture`` uses it, under ``_CAPTURE_LOCK``, so captures run one at a time."""
     index = device.index if device.index is not None else torch.cuda.current_device()
     key = (index, priority)
     if key not in _CAPTURE_STREAMS:

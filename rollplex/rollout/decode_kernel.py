@@ -22,9 +22,9 @@ program whose chunk holds the step first writes the step's key and value into th
 needs no separate cache write. Given the rotary tables, every program applies RoPE to the queries it
 loads, and the cache write to the step's key, so the step needs no RoPE kernel either.
 
-The CUDA default (``rollout.decode_attention: auto``): on the 3B workload the captured decode step
-takes 6.7 ms with it against 10.6 ms with the dense attention (4.5 against 8.7 ms with torch.compile),
-measured on one H200 (docs/benchmarks.md). tests/rollout checks it against the dense path through
+The CUDA default (``rollout.decode_attention: auto``): on the 3B workload the captured and compiled
+decode step takes 4.19 ms with it against 8.99 ms with the dense attention, measured on one H200
+(docs/benchmarks.md, "The decode step, fewer kernels per layer"). tests/rollout checks it against the dense path through
 Triton's interpreter on the CPU and, on CUDA, in bf16 at the 3B shape against float64.
 """
 
@@ -92,15 +92,22 @@ def _attend_range(
 @_jit
 def _load_rotated(x, x_at, cs_at, cos, sin, d, mask, D: tl.constexpr, ROPE: tl.constexpr):
     """Vectors x[x_at + d] (d along the last axis of the offsets), rotated by the rotary embedding when
-    ROPE: x·cos + rotate_half(x)·sin with cos/sin[cs_at + d], computed in float32 and rounded once to
-    x's dtype (as torch.compile computes RoPE); masked-off lanes load 0."""
+    ROPE: x·cos + rotate_half(x)·sin with cos/sin[cs_at + d], computed in float32 (float64 for float64
+    x) and rounded once to x's dtype, as torch.compile computes RoPE; masked-off lanes load 0."""
     v = tl.load(x + x_at + d, mask=mask, other=0.0)
     if ROPE:
         half = D // 2
-        partner = tl.load(x + x_at + (d + half) % D, mask=mask, other=0.0).to(tl.float32)
-        c = tl.load(cos + cs_at + d, mask=mask, other=0.0).to(tl.float32)
-        s = tl.load(sin + cs_at + d, mask=mask, other=0.0).to(tl.float32)
-        v = (v.to(tl.float32) * c + tl.where(d < half, -partner, partner) * s).to(v.dtype)
+        partner = tl.load(x + x_at + (d + half) % D, mask=mask, other=0.0)
+        c = tl.load(cos + cs_at + d, mask=mask, other=0.0)
+        s = tl.load(sin + cs_at + d, mask=mask, other=0.0)
+        if v.dtype == tl.float64:
+            rotated = v * c + tl.where(d < half, -partner, partner) * s
+        else:
+            partner = partner.to(tl.float32)
+            rotated = v.to(tl.float32) * c.to(tl.float32) + tl.where(d < half, -partner, partner) * s.to(
+                tl.float32
+            )
+        v = rotated.to(v.dtype)
     return v
 
 
@@ -243,19 +250,23 @@ def fused_decode_attention(
     boundary KV ; its own keys 0..step].
 
     Args:
-        q: [B, H, D], contiguous, after RoPE. prefix_k/prefix_v: [G, Hkv, P, D] (last dim contiguous).
+        q: [B, H, D] with a contiguous last dim (strided rows and heads are fine, e.g. views of one q/k/v
+            product's output), after RoPE unless cos/sin are given. prefix_k/prefix_v: [G, Hkv, P, D]
+            (last dim contiguous).
         prefix_lens: int32 [G]; keys at index >= prefix_lens[g] are padding. own_k/own_v: [B, Hkv, L, D]
             views of the cache (last dim contiguous); slot ``step`` is overwritten with new_k/new_v.
-        new_k/new_v: [B, Hkv, D] (last dim contiguous), the step's key (after RoPE) and value.
+        new_k/new_v: [B, Hkv, D] (last dim contiguous), the step's key (after RoPE unless cos/sin are
+            given) and value.
         step: int64 [1], own keys 0..step are valid after the write. scaling: softmax scale.
         cos/sin: [B, D] in q's dtype (last dim contiguous), or None: the rotary tables of the rows'
-            current positions (rollout.decode.rope_tables). Given, q and new_k come before RoPE and the
-            kernel rotates them as it loads them (in float32, rounded once), so the step needs no
-            RoPE kernel; None: q and new_k come rotated.
+            current positions (rollout.decode.rope_tables), with equal strides. Given, q and new_k come
+            before RoPE and the kernel rotates them as it loads them (in float32, float64 for float64
+            inputs, rounded once), so the step needs no RoPE kernel; None: q and new_k come rotated.
         group_size: N. prefix_chunk/own_chunk: keys per prefix / own-key program (positive; tuning
             knobs, measured by scripts/attention_sweep.py; any size is exact). block_keys (a power of
-            two >= 16), num_warps, num_stages: keys per inner iteration and the partials launch's warps
-            and pipeline stages; merge_warps: the merge launch's warps (tuning knobs as well).
+            two >= 16), num_warps (a power of two), num_stages: keys per inner iteration and the partials
+            launch's warps and pipeline stages; merge_warps (a power of two): the merge launch's warps
+            (tuning knobs as well).
 
     Returns:
         [B, H·D] in the dtype of ``q`` (softmax statistics and accumulation in float32).
@@ -271,9 +282,11 @@ def fused_decode_attention(
     _check_inputs(q, prefix_k, prefix_v, prefix_lens, own_k, own_v, new_k, new_v, step, group_size)
     _check_rope(q, cos, sin)
     knobs = (prefix_chunk, own_chunk, num_warps, num_stages, merge_warps)
-    if not all(isinstance(c, int) and c >= 1 for c in knobs):
+    powers = all(w & (w - 1) == 0 for w in (num_warps, merge_warps) if isinstance(w, int))
+    if not all(isinstance(c, int) and c >= 1 for c in knobs) or not powers:
         raise ValueError(
-            f"fused decode attention needs integer chunk sizes, warps and stages >= 1, got {knobs}"
+            "fused decode attention needs integer chunk sizes, warps and stages >= 1, warps a power of "
+            f"two, got {knobs}"
         )
     if not isinstance(block_keys, int) or block_keys < 16 or block_keys & (block_keys - 1):
         raise ValueError(f"fused decode attention needs block_keys a power of two >= 16, got {block_keys!r}")
@@ -304,17 +317,23 @@ def fused_decode_attention(
 
 
 def _check_rope(q: torch.Tensor, cos: torch.Tensor | None, sin: torch.Tensor | None) -> None:
-    """cos and sin both given, [B, D] in q's dtype and device with a contiguous last dim, or both None."""
+    """cos and sin both given, [B, D] in q's dtype and device with a contiguous last dim and equal strides
+    (the kernel reads both with cos's), or both None."""
     if cos is None and sin is None:
         return
     tables = [t for t in (cos, sin) if t is not None]
     b, _, d = q.shape
-    if len(tables) != 2 or any(
-        t.shape != (b, d) or t.dtype != q.dtype or t.device != q.device or t.stride(-1) != 1 for t in tables
+    if (
+        len(tables) != 2
+        or cos.stride() != sin.stride()
+        or any(
+            t.shape != (b, d) or t.dtype != q.dtype or t.device != q.device or t.stride(-1) != 1
+            for t in tables
+        )
     ):
         raise ValueError(
             f"fused decode attention needs cos and sin both None or both [B, D] = [{b}, {d}] in q's "
-            f"dtype {q.dtype} on {q.device}, last dim contiguous"
+            f"dtype {q.dtype} on {q.device}, last dim contiguous, with equal strides"
         )
 
 

@@ -3,6 +3,8 @@ supports the heads, else the dense path; unknown names are named."""
 
 from __future__ import annotations
 
+import shutil
+
 import pytest
 import torch
 
@@ -118,18 +120,29 @@ def test_unknown_compile_mode_fails_when_the_settings_are_made():
         SamplingParams(1.0, 1.0, 0, 8, (1,), 0, torch.tensor([]), compile_mode="fast")
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32, torch.float64])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_residual_add_is_the_add_of_the_dtype_bitwise(dtype, monkeypatch):
-    """The decode step's residual add as compiled (formed in a wider type, rounded once) equals the
-    plain add in the model's dtype bit for bit, over magnitudes 1e-6..1e6 on both sides (where a bf16
-    sum rounds)."""
+    """The decode step's residual add as compiled (formed in float32, rounded once) equals the plain add
+    in the model's dtype bit for bit, over magnitudes 1e-4..1e4 on both sides, where half-precision sums
+    round. (For float32 and float64 both paths are the same add.)"""
     from rollplex.rollout.decode import residual_add
 
     monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
-
     g = torch.Generator().manual_seed(0)
-    scale = torch.logspace(-6, 6, 8192, dtype=torch.float64)
+    scale = torch.logspace(-4, 4, 8192, dtype=torch.float64)
     a = (torch.randn(8192, generator=g, dtype=torch.float64) * scale).to(dtype)
     b = (torch.randn(8192, generator=g, dtype=torch.float64) * scale.flip(0)).to(dtype)
     out = residual_add(a, b)
-    assert out.dtype == dtype and torch.equal(out, a + b)
+    assert out.dtype == dtype and torch.isfinite(out).all() and torch.equal(out, a + b)
+
+
+@pytest.mark.skipif(shutil.which("g++") is None, reason="inductor's CPU backend needs a C++ compiler")
+def test_compiled_residual_add_matches_eager_bitwise():
+    """Compiled by inductor, ``residual_add(h, x·Wᵀ)`` gives the eager bf16 result bit for bit."""
+    from rollplex.rollout.decode import residual_add
+
+    g = torch.Generator().manual_seed(1)
+    h, x = (torch.randn(8, 64, generator=g) * 8).bfloat16(), torch.randn(8, 32, generator=g).bfloat16()
+    w = torch.randn(64, 32, generator=g).bfloat16()
+    step = torch.compile(lambda h, x, w: residual_add(h, torch.nn.functional.linear(x, w)))
+    assert torch.equal(step(h, x, w), h + torch.nn.functional.linear(x, w))

@@ -129,12 +129,40 @@ def test_rope_in_the_kernel_equals_rotating_first(seed, window, step):
     assert (fused - _dense(q, pk, pv, lens, reference_k, own_v, step, shape)).abs().max() > 10 * TOL
 
 
+@pytest.mark.skipif(DEVICE == "cuda", reason="float64 runs in Triton's interpreter here, not on CUDA")
+def test_rope_in_the_kernel_float64():
+    """A float64 model's RoPE stays in float64 inside the kernel: the key written into the cache equals
+    ``rotate``'s within float64 rounding (the softmax statistics are float32 in every dtype, so the
+    output is held to the float32 bound)."""
+    q, pk, pv, lens, own_k, own_v, step, shape = (
+        t.double() if isinstance(t, torch.Tensor) and t.is_floating_point() else t
+        for t in _case(11, window=300, step=200)
+    )
+    cos, sin = _rope(q.shape[0], q.shape[2], torch.float64)
+    new_k, new_v = own_k[:, :, step].clone(), own_v[:, :, step].clone()
+    reference_k = own_k.clone()
+    reference_k[:, :, step] = rotate(new_k, cos, sin)
+    dense = _dense(rotate(q, cos, sin), pk, pv, lens, reference_k, own_v, step, shape)
+    step_t = torch.tensor([step], device=DEVICE)
+    fused = fused_decode_attention(
+        q, pk, pv, lens, own_k, own_v, new_k, new_v, step_t, shape.scaling, shape.group_size, cos=cos, sin=sin
+    )
+    assert fused.dtype == torch.float64 and (fused - dense).abs().max() <= TOL
+    assert (own_k[:, :, step] - reference_k[:, :, step]).abs().max() <= 1e-14
+
+
 def test_rope_tables_must_match_q():
     q, pk, pv, lens, own_k, own_v, step, shape = _case(6)
     cos, sin = _rope(q.shape[0], q.shape[2], q.dtype)
     new = (own_k[:, :, step].clone(), own_v[:, :, step].clone())
     step_t = torch.tensor([step], device=DEVICE)
-    for tables in ({"cos": cos}, {"cos": cos, "sin": sin[:1]}, {"cos": cos, "sin": sin.double()}):
+    wide_sin = torch.cat([sin, sin], dim=1)[:, : sin.shape[1]]  # same values, rows twice as far apart
+    for tables in (
+        {"cos": cos},
+        {"cos": cos, "sin": sin[:1]},
+        {"cos": cos, "sin": sin.double()},
+        {"cos": cos, "sin": wide_sin},
+    ):
         with pytest.raises(ValueError, match="cos and sin"):
             fused_decode_attention(q, pk, pv, lens, own_k, own_v, *new, step_t, shape.scaling, 3, **tables)
 
@@ -148,7 +176,8 @@ def test_rope_tables_must_match_q():
     ],
 )
 def test_launch_knobs_change_no_result(knobs):
-    """Other key blocks, warps and pipeline stages give the dense result too."""
+    """Other key blocks, warps and pipeline stages give the dense result too (Triton's interpreter
+    ignores warps and stages: on the CPU this checks the key blocks; the GPU run checks all)."""
     q, pk, pv, lens, own_k, own_v, step, shape = _case(10, window=300, step=200)
     dense = _dense(q, pk, pv, lens, own_k, own_v, step, shape)
     fused = _fused(q, pk, pv, lens, own_k, own_v, step, shape.scaling, shape.group_size, **knobs)
@@ -156,7 +185,8 @@ def test_launch_knobs_change_no_result(knobs):
 
 
 @pytest.mark.parametrize(
-    "knobs", [{"block_keys": 48}, {"block_keys": 8}, {"num_warps": 0}, {"merge_warps": 0}]
+    "knobs",
+    [{"block_keys": 48}, {"block_keys": 8}, {"num_warps": 0}, {"num_warps": 3}, {"merge_warps": 0}],
 )
 def test_launch_knobs_are_checked(knobs):
     q, pk, pv, lens, own_k, own_v, step, shape = _case(6)
