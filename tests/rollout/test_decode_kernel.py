@@ -258,6 +258,7 @@ def _float64_reference(q, pk, pv, lens_t, own_k, own_v, step, shape) -> torch.Te
     return decode_attention(*(t.double() for t in (q, pk, pv, own_k, own_v)), bias[:, None, None, :], shape)
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_bf16_at_the_3b_shape_against_float64():
     """The GPU configuration against a float64 dense reference of the same bf16 inputs: ≤ 2e-2 max abs
@@ -269,6 +270,7 @@ def test_bf16_at_the_3b_shape_against_float64():
     assert err <= 2e-2
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_bf16_rope_at_the_3b_shape_against_float64():
     """RoPE in the kernel, in bf16 at the 3B shape, against a float64 reference that rotates q and the

@@ -89,6 +89,7 @@ def _check_barriers(events, order):
     assert end_of_step > before_update[0], "the optimizer did not write θ_{k+1}"
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_overlap_gives_identical_parameters_on_gpu(assets, tmp_path):  # noqa: F811
     """On CUDA (bf16) the overlapped schedule runs the serial schedule's kernels on other streams:
@@ -101,7 +102,7 @@ def test_overlap_gives_identical_parameters_on_gpu(assets, tmp_path):  # noqa: F
     assert all(torch.equal(serial[k], rollplex[k]) for k in serial)
 
 
-@pytest.mark.parametrize("device", ["cpu", "cuda"])
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 def test_barriers(assets, tmp_path, device):  # noqa: F811
     if device == "cuda" and not torch.cuda.is_available():
         pytest.skip("needs CUDA")
