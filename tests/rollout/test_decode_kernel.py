@@ -129,7 +129,7 @@ def test_rope_in_the_kernel_equals_rotating_first(seed, window, step):
     assert (fused - _dense(q, pk, pv, lens, reference_k, own_v, step, shape)).abs().max() > 10 * TOL
 
 
-@pytest.mark.skipif(DEVICE == "cuda", reason="float64 runs in Triton's interpreter here, not on CUDA")
+@pytest.mark.skipif(DEVICE == "cuda", reason="checked in Triton's interpreter only (not yet run on CUDA)")
 def test_rope_in_the_kernel_float64():
     """A float64 model's RoPE stays in float64 inside the kernel: the key written into the cache equals
     ``rotate``'s within float64 rounding (the softmax statistics are float32 in every dtype, so the
