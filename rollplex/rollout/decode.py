@@ -271,11 +271,10 @@ def step_inputs(
     embedding: torch.Tensor,
     inv_freq: torch.Tensor,
     scale: float,
-    dtype: torch.dtype,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The step's embedded tokens hidden [B, Hd] (rows ``token`` int64 [B] of ``embedding`` [V, Hd]) and
-    its rotary tables cos, sin [B, D] (``rope_tables`` of ``positions``)."""
-    return (F.embedding(token, embedding), *rope_tables(positions, inv_freq, scale, dtype))
+    its rotary tables cos, sin [B, D] in the model's dtype (``rope_tables`` of ``positions``)."""
+    return (F.embedding(token, embedding), *rope_tables(positions, inv_freq, scale, embedding.dtype))
 
 
 def step_logits(
@@ -545,9 +544,8 @@ class StaticDecoder:
         it rotates them, and writes the step's key/value into the cache itself."""
         lm, s, fns = self.model.model.language_model, self.shape, self.layer_fns
         positions = self.first_position + self.step_index
-        dtype = self.prefix.keys[0].dtype
         embedding = lm.embed_tokens.weight
-        hidden, cos, sin = fns.inputs(self.token, positions, embedding, self.inv_freq, self.rope_scale, dtype)
+        hidden, cos, sin = fns.inputs(self.token, positions, embedding, self.inv_freq, self.rope_scale)
         fused = self.attention == "triton"
         bias = None if fused else self._bias(length)
         q, k, v = fns.qkv(hidden, cos, sin, self.weights[0], s, not fused)

@@ -101,14 +101,10 @@ def _load_rotated(x, x_at, cs_at, cos, sin, d, mask, D: tl.constexpr, ROPE: tl.c
         partner = tl.load(x + x_at + (d + half) % D, mask=mask, other=0.0)
         c = tl.load(cos + cs_at + d, mask=mask, other=0.0)
         s = tl.load(sin + cs_at + d, mask=mask, other=0.0)
-        if v.dtype == tl.float64:
-            rotated = v * c + tl.where(d < half, -partner, partner) * s
-        else:
-            partner = partner.to(tl.float32)
-            rotated = v.to(tl.float32) * c.to(tl.float32) + tl.where(d < half, -partner, partner) * s.to(
-                tl.float32
-            )
-        v = rotated.to(v.dtype)
+        wide = v
+        if v.dtype != tl.float64:  # a compile-time branch: lower precisions rotate in float32
+            wide, partner, c, s = v.to(tl.float32), partner.to(tl.float32), c.to(tl.float32), s.to(tl.float32)
+        v = (wide * c + tl.where(d < half, -partner, partner) * s).to(v.dtype)
     return v
 
 
