@@ -148,6 +148,7 @@ def _bench_schedule(args: argparse.Namespace) -> None:
         "compile_mode",
         "fused_projections",
         "fused_sampling",
+        "fused_gate",
     )
     options = _options(args, (*WORKLOAD_FIELDS, *extra))
     if args.rows is not None:
@@ -228,6 +229,11 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
         "--fused-sampling",
         action=argparse.BooleanOptionalAction,
         help="decode: the sampling race as Triton kernels (default on)",
+    )
+    p.add_argument(
+        "--fused-gate",
+        action=argparse.BooleanOptionalAction,
+        help="decode: the gate/up product with its SiLU gate as one Triton kernel (default on)",
     )
     p.add_argument("--auto-trials", type=int, help="auto row: trial steps per co-running policy (default 2)")
     p.add_argument(

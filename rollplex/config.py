@@ -193,6 +193,11 @@ class RolloutConfig:
         "decode: the sampling race (log-softmax, Gumbel race, recorded log-prob) as two Triton kernels "
         "(CUDA; plain temperature sampling only, top-p/top-k use the eager race)",
     )
+    fused_gate: bool = _field(
+        True,
+        "decode: the MLP's gate/up product with its SiLU gate in the epilogue, one Triton kernel instead "
+        "of a cuBLAS product and an elementwise kernel (CUDA; with fused_projections)",
+    )
 
 
 @dataclass(kw_only=True)

@@ -260,6 +260,7 @@ def test_bench_schedule_options_reach_the_config(monkeypatch):
             "--no-compile-decode",
             "--no-fused-projections",
             "--no-fused-sampling",
+            "--no-fused-gate",
             "--vision-attention",
             "per_chunk",
             "--compile-mode",
@@ -267,6 +268,7 @@ def test_bench_schedule_options_reach_the_config(monkeypatch):
         ]
     )
     assert (seen[0].compile_decode, seen[0].fused_projections, seen[0].fused_sampling) == (True, True, True)
+    assert (seen[0].fused_gate, seen[1].fused_gate) == (True, False)
     assert (seen[0].rows, seen[0].auto_trials, seen[0].decode_attention) == (("serial", "both"), 1, "triton")
     assert (seen[1].compile_decode, seen[1].fused_projections, seen[1].fused_sampling) == (
         False,

@@ -49,6 +49,7 @@ SPEC_DEFAULTS = {
         "decode_attention": "auto",
         "fused_projections": True,
         "fused_sampling": True,
+        "fused_gate": True,
     },
     "algo": {
         "normalize_std": True, "clip_low": 0.2, "clip_high": 0.28, "kl_coef": 0.04, "kl_estimator": "k3",

@@ -9,10 +9,11 @@ rollout's own-key lengths 1..R.
 Variants (same prompts, same prefix): ``eager`` (the step's kernels launched one by one, only the first
 ``eager_tokens`` tokens), ``graphs`` (CUDA-graph replay), ``graphs+compile`` (torch.compile, then
 capture), both again with the fused Triton decode attention (``+triton``, rollout.decode_kernel), then
-with fused q/k/v and gate/up products (``+fused``) and the fused sampling race (``+sampling``,
-rollout.sample_kernel): the CUDA default, last of the default run; ``+autotune`` (on request only) adds
-torch.compile's max-autotune mode (``rollout.compile_mode``, measured slower on one H200). Decode time comes from the rollout's own
-timeline, which starts after capture/compilation.
+with fused q/k/v and gate/up products (``+fused``), the fused sampling race (``+sampling``,
+rollout.sample_kernel) and the gate/up product with its SiLU gate as one kernel (``+gate``,
+rollout.linear_kernel): the CUDA default, last of the default run; ``+autotune`` (on request only) is
+``+sampling`` under torch.compile's max-autotune mode (``rollout.compile_mode``, measured slower on one
+H200). Decode time comes from the rollout's own timeline, which starts after capture/compilation.
 """
 
 from __future__ import annotations

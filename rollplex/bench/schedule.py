@@ -68,6 +68,7 @@ class ScheduleBenchConfig(Workload):
     decode_attention: str = "auto"
     fused_projections: bool = True
     fused_sampling: bool = True
+    fused_gate: bool = True
 
 
 @dataclass
@@ -118,6 +119,7 @@ class _Workload:
             "rollout.compile_mode": cfg.compile_mode,
             "rollout.fused_projections": cfg.fused_projections,
             "rollout.fused_sampling": cfg.fused_sampling,
+            "rollout.fused_gate": cfg.fused_gate,
             **{k: self.sms // 2 if v == "half" else v for k, v in overrides.items()},
         }
         config = load_config(

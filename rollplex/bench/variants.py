@@ -1,7 +1,7 @@
 """The decode variants of ``rollplex bench decode``: ``SamplingParams`` options per name (eager; CUDA
-graphs; then torch.compile and the fused attention, alone and together; then fused projections and the
-fused sampling race on top; then torch.compile's max-autotune mode, run only on request). Plain data, so
-the command line can list them without importing torch."""
+graphs; then torch.compile and the fused attention, alone and together; then fused projections, the
+fused sampling race and the gated gate/up kernel on top; then torch.compile's max-autotune mode, run
+only on request). Plain data, so the command line can list them without importing torch."""
 
 DECODE_VARIANTS = {
     "eager": {"cuda_graphs": False, "attention": "dense"},
@@ -21,6 +21,14 @@ DECODE_VARIANTS = {
         "attention": "triton",
         "fused_projections": True,
         "fused_sampling": True,
+    },
+    "graphs+compile+triton+fused+sampling+gate": {
+        "cuda_graphs": True,
+        "compile": True,
+        "attention": "triton",
+        "fused_projections": True,
+        "fused_sampling": True,
+        "fused_gate": True,
     },
     "graphs+compile+triton+fused+sampling+autotune": {
         "cuda_graphs": True,

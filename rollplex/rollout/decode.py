@@ -34,7 +34,8 @@ import torch.nn.functional as F
 
 from rollplex.config import COMPILE_MODES, DECODE_ATTENTION
 from rollplex.rollout import sample_kernel
-from rollplex.rollout.decode_kernel import fused_decode_attention, supports
+from rollplex.rollout.decode_kernel import fused_decode_attention, supports, triton
+from rollplex.rollout.linear_kernel import gated_up_product
 from rollplex.rollout.sampler import race_tokens, sample_tokens
 from rollplex.types import PrefixState
 
@@ -55,6 +56,7 @@ class DecodeShape:
     budget: int
     scaling: float
     eps: float
+    gated_kernel: bool = False  # the MLP's gate/up product and SiLU gate as one Triton kernel
 
     @property
     def rows(self) -> int:
@@ -194,10 +196,14 @@ def layer_qkv(
 def layer_post(
     hidden: torch.Tensor, attention: torch.Tensor, weights: LayerTensors, shape: DecodeShape
 ) -> torch.Tensor:
-    """After attention [B, H·D]: o_proj, residual, post norm, SiLU-gated MLP, residual → hidden [B, Hd]."""
+    """After attention [B, H·D]: o_proj, residual, post norm, SiLU-gated MLP, residual → hidden [B, Hd].
+    With ``shape.gated_kernel`` (concatenated gate/up weights only), the gate/up product and its SiLU
+    gate are one Triton kernel (rollout.linear_kernel)."""
     wo, ln2, gate_up, down = weights[3:]
     hidden = residual_add(hidden, F.linear(attention, wo))
     x = rms_norm(hidden, ln2, shape.eps)
+    if shape.gated_kernel:
+        return residual_add(hidden, F.linear(gated_up_product(x, gate_up[0]), down))
     gate, up = _project(x, gate_up, None, [down.shape[1]] * 2)
     return residual_add(hidden, F.linear(F.silu(gate) * up, down))
 
@@ -318,7 +324,8 @@ class SamplingParams:
     attention (decode attention backend, "auto", "dense" or "triton"; ``StaticDecoder``),
     fused_projections (one q/k/v and one gate/up product per layer from concatenated weight copies),
     fused_sampling (the decode steps' sampling race as Triton kernels, rollout.sample_kernel; on CUDA,
-    elsewhere the eager race: ``fused_sampling_runs``).
+    elsewhere the eager race: ``fused_sampling_runs``), fused_gate (with fused_projections, the gate/up
+    product and its SiLU gate as one Triton kernel, rollout.linear_kernel; on CUDA: ``fused_gate_runs``).
     """
 
     temperature: float
@@ -336,6 +343,7 @@ class SamplingParams:
     attention: str = "auto"
     fused_projections: bool = False
     fused_sampling: bool = False
+    fused_gate: bool = False
 
     @classmethod
     def from_config(
@@ -357,6 +365,7 @@ class SamplingParams:
             attention=rollout.decode_attention,
             fused_projections=rollout.fused_projections,
             fused_sampling=rollout.fused_sampling,
+            fused_gate=rollout.fused_gate,
         )
 
     def __post_init__(self) -> None:
@@ -495,6 +504,7 @@ class StaticDecoder:
             budget=max(1, self.steps_total),
             scaling=float(lm.layers[0].self_attn.scaling),
             eps=float(lm.layers[0].input_layernorm.variance_epsilon),
+            gated_kernel=params.fused_gate and params.fused_projections and fused_gate_runs(keys.device),
         )
         self.model, self.prefix, self.params, self.record = model, prefix, params, record
         self.generator = generator
@@ -752,6 +762,13 @@ def fused_sampling_runs(device: torch.device) -> bool:
     CPU the eager race runs: Triton's interpreter would be far slower; tests/rollout checks the fused
     race there directly, and a rollout test forces it through this function.)"""
     return device.type == "cuda" and sample_kernel.triton is not None
+
+
+def fused_gate_runs(device: torch.device) -> bool:
+    """Whether ``fused_gate`` takes effect on ``device``: on CUDA where Triton is installed (on the CPU the
+    cuBLAS-style product and SiLU run; tests/rollout checks the kernel there through Triton's interpreter,
+    and a rollout test forces it through this function)."""
+    return device.type == "cuda" and triton is not None
 
 
 def _triton_runs(device: torch.device) -> bool:

@@ -28,7 +28,7 @@ def test_tiny_decode_bench_runs(tmp_path):
         == set(VARIANTS) - {"graphs+compile+triton+fused+sampling+autotune"}
     )
     assert (
-        list(result.rows)[-1] == "graphs+compile+triton+fused+sampling"
+        list(result.rows)[-1] == "graphs+compile+triton+fused+sampling+gate"
     )  # the profiled one: the CUDA default
     assert all(row["ms_per_step"] > 0 for row in result.rows.values())
     assert (tmp_path / "decode.json").exists()

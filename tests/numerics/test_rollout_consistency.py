@@ -47,14 +47,29 @@ def _rollout(model, prompts, params, seed=0):
     return generate(model, prompts, prefix, group_size=N, params=params, tokenizer=_Tokenizer(), generator=g)
 
 
-@pytest.mark.parametrize(("window", "fused"), [(128, False), (3, False), (3, True)])
-def test_recorded_logprobs_equal_trainer_and_oracle_float64(models, window, fused):
+@pytest.mark.parametrize(
+    ("window", "fused", "gate"), [(128, False, False), (3, False, False), (3, True, False), (3, True, True)]
+)
+def test_recorded_logprobs_equal_trainer_and_oracle_float64(models, window, fused, gate, monkeypatch):
     """The decode step (rollout.decode) equals the trainer's suffix path and the full-sequence oracle,
-    also when the own-key window grows in several pieces (window 3 over 8 tokens) and with the q/k/v and
-    gate/up products fused."""
+    also when the own-key window grows in several pieces (window 3 over 8 tokens), with the q/k/v and
+    gate/up products fused, and with the gate/up product and SiLU gate as one Triton kernel (forced on
+    here, through Triton's interpreter: it runs on CUDA only otherwise; every layer of every step calls
+    it)."""
+    from rollplex.rollout import decode
+
+    spy = []
+    if gate:
+        if os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available():
+            pytest.skip("CPU tensors run Triton only in its interpreter")
+        monkeypatch.setattr(decode, "fused_gate_runs", lambda device: True)
+        kernel = decode.gated_up_product
+        monkeypatch.setattr(decode, "gated_up_product", lambda *a, **k: spy.append(1) or kernel(*a, **k))
     model, oracle = models
     prompts = _prompts()
-    batch = _rollout(model, prompts, _params(graph_window=window, fused_projections=fused))
+    batch = _rollout(model, prompts, _params(graph_window=window, fused_projections=fused, fused_gate=gate))
+    layers = model.config.text_config.num_hidden_layers
+    assert len(spy) == (layers * (batch.responses.shape[1] - 1) if gate else 0)
     mask = batch.response_mask()
     prefix = prefix_forward(model, prompts, temperature=T, banned_ids=BANNED, attached=True)
     trainer, _ = suffix_logprobs(
