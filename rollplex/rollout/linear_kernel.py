@@ -10,7 +10,7 @@ W_gate and the same rows of W_up, keeps both [M, BLOCK_N] sums in registers and 
 gate and up products rounded to the output dtype, SiLU rounded, then their product rounded.
 
 Measured on one H200 at the 3B shape (64 rows, 2048 → 2 × 11008; scripts/linear_sweep.py, 36 layers'
-weights in a CUDA graph): 25.6-26.2 µs per call, against 26.1-26.6 µs for cuBLAS's product alone,
+weights in a CUDA graph): 25.1-25.8 µs per call, against 26.1-26.6 µs for cuBLAS's product alone,
 before its SiLU kernel. Cutting K into slices reduced by the last arriving program (commit 188f3ed)
 beat cuBLAS on none of the other products (docs/benchmarks.md), so they stay with cuBLAS.
 
@@ -39,7 +39,7 @@ class GateLaunch:
     warps (a power of two) and pipeline stages (>= 1). The default was the fastest setting measured
     twice by scripts/linear_sweep.py on one H200 (any setting is exact)."""
 
-    block_n: int = 64
+    block_n: int = 32
     block_k: int = 64
     num_warps: int = 4
     num_stages: int = 4
