@@ -61,7 +61,9 @@ def test_recorded_logprobs_equal_trainer_and_oracle_float64(models, window, fuse
     spy = []
     if gate:
         if os.environ.get("TRITON_INTERPRET") != "1":
-            pytest.skip("CPU tensors run Triton only in its interpreter (CUDA: tests/numerics/test_gpu_paths)")
+            pytest.skip(
+                "CPU tensors run Triton only in its interpreter (CUDA: tests/numerics/test_gpu_paths)"
+            )
         monkeypatch.setattr(decode, "fused_gate_runs", lambda device: True)
         kernel = decode.gated_up_product
         monkeypatch.setattr(decode, "gated_up_product", lambda *a, **k: spy.append(1) or kernel(*a, **k))
