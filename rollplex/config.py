@@ -196,7 +196,8 @@ class RolloutConfig:
     fused_gate: bool = _field(
         True,
         "decode: the MLP's gate/up product with its SiLU gate in the epilogue, one Triton kernel instead "
-        "of a cuBLAS product and an elementwise kernel (CUDA; with fused_projections)",
+        "of a cuBLAS product and an elementwise kernel (CUDA; with fused_projections; decode batches of "
+        "at most 64 rows, larger ones keep the cuBLAS product)",
     )
 
 

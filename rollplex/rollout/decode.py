@@ -35,6 +35,7 @@ import torch.nn.functional as F
 from rollplex.config import COMPILE_MODES, DECODE_ATTENTION
 from rollplex.rollout import sample_kernel
 from rollplex.rollout.decode_kernel import fused_decode_attention, supports, triton
+from rollplex.rollout.linear_kernel import MAX_ROWS as GATE_MAX_ROWS
 from rollplex.rollout.linear_kernel import gated_up_product
 from rollplex.rollout.sampler import race_tokens, sample_tokens
 from rollplex.types import PrefixState
@@ -325,7 +326,8 @@ class SamplingParams:
     fused_projections (one q/k/v and one gate/up product per layer from concatenated weight copies),
     fused_sampling (the decode steps' sampling race as Triton kernels, rollout.sample_kernel; on CUDA,
     elsewhere the eager race: ``fused_sampling_runs``), fused_gate (with fused_projections, the gate/up
-    product and its SiLU gate as one Triton kernel, rollout.linear_kernel; on CUDA: ``fused_gate_runs``).
+    product and its SiLU gate as one Triton kernel, rollout.linear_kernel; on CUDA, ``fused_gate_runs``,
+    for at most linear_kernel.MAX_ROWS rows; elsewhere, or without fused_projections, ignored).
     """
 
     temperature: float
@@ -504,7 +506,10 @@ class StaticDecoder:
             budget=max(1, self.steps_total),
             scaling=float(lm.layers[0].self_attn.scaling),
             eps=float(lm.layers[0].input_layernorm.variance_epsilon),
-            gated_kernel=params.fused_gate and params.fused_projections and fused_gate_runs(keys.device),
+            gated_kernel=params.fused_gate
+            and params.fused_projections
+            and fused_gate_runs(keys.device)
+            and keys.shape[0] * group_size <= GATE_MAX_ROWS,
         )
         self.model, self.prefix, self.params, self.record = model, prefix, params, record
         self.generator = generator

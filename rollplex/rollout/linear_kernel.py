@@ -6,13 +6,18 @@ The MLP of a decoder layer computes SiLU(x·W_gateᵀ) · (x·W_upᵀ). With the
 concatenated into one [2·I, K] matrix (``rollout.fused_projections``) that is one cuBLAS product
 writing [M, 2·I], then one elementwise kernel reading it back. Here each program streams BLOCK_N rows of
 W_gate and the same rows of W_up, keeps both [M, BLOCK_N] sums in registers and writes only the gated
-[M, BLOCK_N] result: one kernel instead of two. Its rounding is that of transformers' eager MLP: the
-gate and up products rounded to the output dtype, SiLU rounded, then their product rounded.
+[M, BLOCK_N] result: one kernel instead of two. It rounds where transformers' eager MLP rounds: the
+gate and up products to the output dtype, SiLU, then their product (SiLU goes through Triton's exp and
+division, which compile to approximate instructions on NVIDIA GPUs: within float32 rounding of
+PyTorch's, not bitwise).
+
+Every [BLOCK_M ≤ 64]-row tile of x streams the whole weight, so the decode step uses the kernel for at
+most ``MAX_ROWS`` = 64 rows (the measured shape); a larger batch keeps cuBLAS's product.
 
 Measured on one H200 at the 3B shape (64 rows, 2048 → 2 × 11008; scripts/linear_sweep.py, 36 layers'
 weights in a CUDA graph): 25.1-25.8 µs per call, against 26.1-26.6 µs for cuBLAS's product alone,
-before its SiLU kernel. Cutting K into slices reduced by the last arriving program (commit 188f3ed)
-beat cuBLAS on none of the other products (docs/benchmarks.md), so they stay with cuBLAS.
+before its SiLU kernel. Split-K Triton products for q/k/v, o and down (commits 188f3ed and 1e3cf09)
+were slower than cuBLAS (docs/benchmarks.md), so those stay with cuBLAS.
 
 tests/rollout checks the kernel against float64 products through Triton's interpreter on the CPU and,
 on CUDA, in bf16; tests/numerics checks a rollout through it against the trainer.
@@ -31,6 +36,8 @@ if triton is not None:
     import triton.language as tl
 else:  # pragma: no cover - exercised only on installs without Triton
     tl = None
+
+MAX_ROWS = 64  # the decode step uses the kernel up to this many rows (one row tile; see above)
 
 
 @dataclass(frozen=True)
@@ -92,7 +99,9 @@ def _gated(
     gate = gate.to(dtype).to(wide)
     silu = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(wide)
     result = (silu * up.to(dtype).to(wide)).to(dtype)
-    tl.store(out + rm[:, None] * stride_om + rn[None, :], result, mask=m_ok[:, None] & n_ok[None, :])
+    tl.store(
+        out + rm.to(tl.int64)[:, None] * stride_om + rn[None, :], result, mask=m_ok[:, None] & n_ok[None, :]
+    )
 
 
 def gated_up_product(
@@ -108,7 +117,7 @@ def gated_up_product(
     Returns:
         [M, I] in x's dtype. Products summed in float32 (float64 for float64 inputs; float32 operands
         multiplied in full float32, not tf32); gate and up rounded to x's dtype, SiLU rounded, their
-        product rounded, as transformers' eager Qwen2 MLP does.
+        product rounded, where transformers' eager Qwen2 MLP rounds (module docstring).
 
     Raises:
         ValueError: mismatched shapes, dtypes, devices or a non-contiguous last dim.
@@ -121,7 +130,7 @@ def gated_up_product(
     inter = gate_up.shape[0] // 2
     block_m = max(16, min(64, 1 << (m - 1).bit_length()))
     out = torch.empty(m, inter, device=x.device, dtype=x.dtype)
-    # float64 tiles take twice the shared memory per stage: at most two stages fit on an H200
+    # float64 tiles take four times bf16's shared memory per stage: capped at two stages
     stages = min(launch.num_stages, 2) if x.dtype == torch.float64 else launch.num_stages
     _gated[(math.ceil(inter / launch.block_n), math.ceil(m / block_m))](
         x, gate_up, out, m, inter, k, inter * gate_up.stride(0), x.stride(0), gate_up.stride(0), out.stride(0),

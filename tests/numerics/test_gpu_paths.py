@@ -107,23 +107,23 @@ def _bf16_rollout(model, prompts, generator=None, **decode):
 
 
 @pytest.mark.parametrize(
-    ("compile", "attention", "fused", "sampling"),
+    ("compile", "attention", "fused", "sampling", "gate"),
     [
-        (False, "dense", False, False),
-        (True, "dense", False, False),
-        (False, "triton", False, False),
-        (True, "triton", False, False),
-        (True, "triton", True, False),
-        (True, "triton", True, True),
-        (True, "triton", True, "gate"),
-        (False, "triton", True, "gate"),
-        ("max-autotune", "triton", True, True),
+        (False, "dense", False, False, False),
+        (True, "dense", False, False, False),
+        (False, "triton", False, False, False),
+        (True, "triton", False, False, False),
+        (True, "triton", True, False, False),
+        (True, "triton", True, True, False),
+        (True, "triton", True, True, True),
+        (False, "triton", True, True, True),
+        ("max-autotune", "triton", True, True, False),
     ],
 )
-def test_bf16_rollout_vs_trainer_logprobs(models, compile, attention, fused, sampling):
+def test_bf16_rollout_vs_trainer_logprobs(models, compile, attention, fused, sampling, gate):
     """bf16: the captured (optionally compiled — a string is the torch.compile mode —, with the fused
-    Triton attention, with fused q/k/v and gate/up products, with the fused sampling race, and — sampling
-    "gate" — with the gate/up product and SiLU gate as one Triton kernel too) decode steps
+    Triton attention, with fused q/k/v and gate/up products, with the fused sampling race, with the
+    gate/up product and SiLU gate as one Triton kernel) decode steps
     record log-probs within 0.1 (max) and 0.01 (mean) of the trainer's prefix + suffix path, over 40
     tokens in three own-key windows."""
     model = _bf16_model(models[0])
@@ -136,8 +136,8 @@ def test_bf16_rollout_vs_trainer_logprobs(models, compile, attention, fused, sam
         compile_mode=compile if isinstance(compile, str) else "default",
         attention=attention,
         fused_projections=fused,
-        fused_sampling=bool(sampling),
-        fused_gate=sampling == "gate",
+        fused_sampling=sampling,
+        fused_gate=gate,
     )
     trainer = _score(model, prompts, batch.responses, attached=True).detach()
     diff = (trainer - batch.logprobs).abs()[batch.response_mask()]
@@ -149,18 +149,22 @@ def test_bf16_rollout_vs_trainer_logprobs(models, compile, attention, fused, sam
 
 
 @pytest.mark.parametrize(
-    ("attention", "sampling"), [("dense", False), ("triton", False), ("triton", True), ("triton", "gate")]
+    ("attention", "sampling", "gate"),
+    [("dense", False, False), ("triton", False, False), ("triton", True, False), ("triton", True, True)],
 )
-def test_graph_replay_equals_eager_decode(models, attention, sampling):
+def test_graph_replay_equals_eager_decode(models, attention, sampling, gate):
     """CUDA-graph replay runs the same kernels as the eager steps, sampling with the generator
-    registered with the graphs included (and, "gate", the gated gate/up kernel): bitwise the same
+    registered with the graphs included (and with the gated gate/up kernel): bitwise the same
     rollout, and the generator ends in the same state (39 steps: rounds of 16, 16 and 7)."""
     model = _bf16_model(models[0])
     prompts = _prompts("cuda", torch.bfloat16)
     gens = [torch.Generator(device="cuda").manual_seed(0) for _ in range(2)]
-    options = {"attention": attention, "fused_sampling": bool(sampling)}
-    if sampling == "gate":
-        options.update(fused_projections=True, fused_gate=True)
+    options = {
+        "attention": attention,
+        "fused_sampling": sampling,
+        "fused_projections": gate,
+        "fused_gate": gate,
+    }
     graphed = _bf16_rollout(model, prompts, gens[0], cuda_graphs=True, **options)
     eager = _bf16_rollout(model, prompts, gens[1], cuda_graphs=False, **options)
     assert torch.equal(gens[0].get_state(), gens[1].get_state())
