@@ -421,6 +421,13 @@ def _check_rewards(w: RewardConfig) -> None:
         raise _conflict(
             "reward.weights", w.weights, "reward.functions", w.functions, "need one weight per function"
         )
+    from rollplex.algo.rewards import resolve_reward  # torch-heavy: imported only to check the names
+
+    for name in w.functions:
+        try:
+            resolve_reward(name)
+        except ValueError as err:
+            raise ConfigError(f"reward.functions: {err}") from err
 
 
 def _check_conflicts(cfg: Config) -> None:

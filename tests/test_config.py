@@ -152,6 +152,8 @@ def test_invalid_values_name_the_field(override, needles):
         (["reward.weights=[1.0]"], ["reward.weights=[1.0]", "reward.functions=['accuracy', 'format']"]),
         (["reward.functions=[format, format]"], ["reward.functions", "twice"]),
         (["reward.functions=[]"], ["reward.functions"]),
+        (["reward.functions=[nosuch]"], ["reward.functions", "'nosuch'", "built-in"]),
+        (["reward.functions=[no.such_module:fn]"], ["reward.functions", "cannot be imported"]),
     ],
 )
 def test_conflicts_name_both_fields(overrides, needles):
