@@ -11,6 +11,7 @@ from rollplex.bench.variants import DEFAULT_VARIANTS
 
 
 def test_tiny_decode_bench_runs(tmp_path):
+    pytest.importorskip("triton")  # the default variants include the Triton kernels (interpreted here)
     cfg = DecodeBenchConfig(
         preset="tiny",
         groups=2,

@@ -15,6 +15,8 @@ import pytest
 import torch
 
 from rollplex.models.forward import prefix_forward, suffix_logprobs
+from rollplex.rollout import decode
+from rollplex.rollout.decode import GATE_MAX_ROWS
 from rollplex.rollout.engine import SamplingParams, generate
 from tests.numerics.conftest import BANNED, make_prompt
 
@@ -106,6 +108,14 @@ def _bf16_rollout(model, prompts, generator=None, **decode):
     )
 
 
+def _spy_gate(monkeypatch) -> list[bool]:
+    """What ``decode.fused_gate_runs`` answers each time a decoder asks (only with fused_gate and fused
+    projections on): the gated kernel is on where it answers True (12 rows, within its limit)."""
+    seen, real = [], decode.fused_gate_runs
+    monkeypatch.setattr(decode, "fused_gate_runs", lambda device: seen.append(real(device)) or seen[-1])
+    return seen
+
+
 @pytest.mark.parametrize(
     ("compile", "attention", "fused", "sampling", "gate"),
     [
@@ -120,7 +130,7 @@ def _bf16_rollout(model, prompts, generator=None, **decode):
         ("max-autotune", "triton", True, True, False),
     ],
 )
-def test_bf16_rollout_vs_trainer_logprobs(models, compile, attention, fused, sampling, gate):
+def test_bf16_rollout_vs_trainer_logprobs(models, compile, attention, fused, sampling, gate, monkeypatch):
     """bf16: the captured (optionally compiled — a string is the torch.compile mode —, with the fused
     Triton attention, with fused q/k/v and gate/up products, with the fused sampling race, with the
     gate/up product and SiLU gate as one Triton kernel) decode steps
@@ -128,6 +138,7 @@ def test_bf16_rollout_vs_trainer_logprobs(models, compile, attention, fused, sam
     tokens in three own-key windows."""
     model = _bf16_model(models[0])
     prompts = _prompts("cuda", torch.bfloat16)
+    asked = _spy_gate(monkeypatch)
     batch = _bf16_rollout(
         model,
         prompts,
@@ -139,6 +150,7 @@ def test_bf16_rollout_vs_trainer_logprobs(models, compile, attention, fused, sam
         fused_sampling=sampling,
         fused_gate=gate,
     )
+    assert asked == ([True] if gate else []) and batch.responses.shape[0] <= GATE_MAX_ROWS
     trainer = _score(model, prompts, batch.responses, attached=True).detach()
     diff = (trainer - batch.logprobs).abs()[batch.response_mask()]
     print(
@@ -152,7 +164,7 @@ def test_bf16_rollout_vs_trainer_logprobs(models, compile, attention, fused, sam
     ("attention", "sampling", "gate"),
     [("dense", False, False), ("triton", False, False), ("triton", True, False), ("triton", True, True)],
 )
-def test_graph_replay_equals_eager_decode(models, attention, sampling, gate):
+def test_graph_replay_equals_eager_decode(models, attention, sampling, gate, monkeypatch):
     """CUDA-graph replay runs the same kernels as the eager steps, sampling with the generator
     registered with the graphs included (and with the gated gate/up kernel): bitwise the same
     rollout, and the generator ends in the same state (39 steps: rounds of 16, 16 and 7)."""
@@ -165,8 +177,10 @@ def test_graph_replay_equals_eager_decode(models, attention, sampling, gate):
         "fused_projections": gate,
         "fused_gate": gate,
     }
+    asked = _spy_gate(monkeypatch)
     graphed = _bf16_rollout(model, prompts, gens[0], cuda_graphs=True, **options)
     eager = _bf16_rollout(model, prompts, gens[1], cuda_graphs=False, **options)
+    assert asked == ([True, True] if gate else [])
     assert torch.equal(gens[0].get_state(), gens[1].get_state())
     assert torch.equal(graphed.responses, eager.responses)
     assert torch.equal(graphed.logprobs, eager.logprobs)

@@ -48,30 +48,45 @@ def _rollout(model, prompts, params, seed=0):
 
 
 @pytest.mark.parametrize(
-    ("window", "fused", "gate"), [(128, False, False), (3, False, False), (3, True, False), (3, True, True)]
+    ("window", "fused", "gate", "max_rows"),
+    [
+        (128, False, False, 64),
+        (3, False, False, 64),
+        (3, True, False, 64),
+        (3, True, True, 12),
+        (3, True, True, 11),
+    ],
 )
-def test_recorded_logprobs_equal_trainer_and_oracle_float64(models, window, fused, gate, monkeypatch):
+def test_recorded_logprobs_equal_trainer_and_oracle_float64(
+    models, window, fused, gate, max_rows, monkeypatch
+):
     """The decode step (rollout.decode) equals the trainer's suffix path and the full-sequence oracle,
     also when the own-key window grows in several pieces (window 3 over 8 tokens), with the q/k/v and
-    gate/up products fused, and with the gate/up product and SiLU gate as one Triton kernel (forced on
-    here, through Triton's interpreter: it runs on CUDA only otherwise; every layer of every step calls
-    it)."""
+    gate/up products fused, and with the gate/up product and SiLU gate as one Triton kernel (allowed on
+    the CPU here, through Triton's interpreter: it runs on CUDA only otherwise). With it, every layer of
+    every step calls the kernel while the 12 rows are within its row limit (12), none above it (11);
+    without ``fused_gate`` it is never called."""
     from rollplex.rollout import decode
 
-    spy = []
     if gate:
+        pytest.importorskip("triton")
         if os.environ.get("TRITON_INTERPRET") != "1":
             pytest.skip(
                 "CPU tensors run Triton only in its interpreter (CUDA: tests/numerics/test_gpu_paths)"
             )
-        monkeypatch.setattr(decode, "fused_gate_runs", lambda device: True)
-        kernel = decode.gated_up_product
-        monkeypatch.setattr(decode, "gated_up_product", lambda *a, **k: spy.append(1) or kernel(*a, **k))
+    spy = []
+    kernel = decode.gated_up_product
+    monkeypatch.setattr(decode, "gated_up_product", lambda *a, **k: spy.append(1) or kernel(*a, **k))
+    monkeypatch.setattr(decode, "fused_gate_runs", lambda device: True)
+    monkeypatch.setattr(decode, "GATE_MAX_ROWS", max_rows)
     model, oracle = models
     prompts = _prompts()
     batch = _rollout(model, prompts, _params(graph_window=window, fused_projections=fused, fused_gate=gate))
     layers = model.config.text_config.num_hidden_layers
-    assert len(spy) == (layers * (batch.responses.shape[1] - 1) if gate else 0)
+    rows, calls = batch.responses.shape[0], len(spy)
+    assert rows == 12 and calls == (
+        layers * (batch.responses.shape[1] - 1) if gate and rows <= max_rows else 0
+    )
     mask = batch.response_mask()
     prefix = prefix_forward(model, prompts, temperature=T, banned_ids=BANNED, attached=True)
     trainer, _ = suffix_logprobs(
