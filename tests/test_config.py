@@ -163,6 +163,17 @@ def test_conflicts_name_both_fields(overrides, needles):
         assert needle in str(info.value)
 
 
+def test_reward_module_that_fails_to_import_is_a_config_error(tmp_path, monkeypatch):
+    """A reward module with a syntax error fails at load as a ConfigError naming the field, the reward
+    and the error type, not as a traceback."""
+    (tmp_path / "broken_reward.py").write_text("def score(text, record):\n    return (\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(ConfigError) as info:
+        load_config(None, ["reward.functions=[broken_reward:score]"])
+    for needle in ("reward.functions", "broken_reward:score", "SyntaxError"):
+        assert needle in str(info.value)
+
+
 def test_micro_batches_that_divide_are_accepted():
     cfg = load_config(None, ["algo.mini_batches=2", "algo.micro_batch_groups=2"])
     assert (cfg.algo.mini_batches, cfg.algo.micro_batch_groups) == (2, 2)

@@ -328,7 +328,8 @@ def resolve_reward(name: str) -> RewardFn:
     ``package.module:function`` / ``package.module.function`` to a callable ``(str, Record) -> float``.
 
     Raises:
-        ValueError: naming ``name`` when it is neither a built-in nor an importable callable.
+        ValueError: naming ``name`` when it is neither a built-in nor an importable callable (any
+            exception raised while importing its module is reported this way, with its type).
     """
     if name in BUILTIN_REWARDS:
         return BUILTIN_REWARDS[name]
@@ -339,8 +340,8 @@ def resolve_reward(name: str) -> RewardFn:
         )
     try:
         fn = getattr(importlib.import_module(module_name), attr)
-    except (ImportError, AttributeError) as exc:
-        raise ValueError(f"reward {name!r} cannot be imported: {exc}") from exc
+    except Exception as exc:  # noqa: BLE001 - a user module may fail to import in any way (SyntaxError, ...)
+        raise ValueError(f"reward {name!r} cannot be imported: {type(exc).__name__}: {exc}") from exc
     if not callable(fn):
         raise ValueError(f"reward {name!r} resolves to a non-callable {type(fn).__name__}")
     return fn
