@@ -30,7 +30,7 @@ from dataclasses import dataclass
 
 import torch
 
-from rollplex.rollout.decode_kernel import _jit, triton
+from rollplex.rollout.decode_kernel import _jit, _pow2, triton
 
 if triton is not None:
     import triton.language as tl
@@ -128,7 +128,7 @@ def gated_up_product(
     _check(x, gate_up)
     m, k = x.shape
     inter = gate_up.shape[0] // 2
-    block_m = max(16, min(64, 1 << (m - 1).bit_length()))
+    block_m = min(MAX_ROWS, _pow2(m))  # one power-of-two row tile of 16..64 rows, more tiles above 64
     out = torch.empty(m, inter, device=x.device, dtype=x.dtype)
     # float64 tiles take four times bf16's shared memory per stage: capped at two stages
     stages = min(launch.num_stages, 2) if x.dtype == torch.float64 else launch.num_stages
