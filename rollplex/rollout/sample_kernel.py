@@ -22,56 +22,64 @@ from __future__ import annotations
 
 import torch
 
-from rollplex.rollout.decode_kernel import _jit, _pow2, tl, triton
+from rollplex.rollout.decode_kernel import _jit, _pdl_start, _pow2, pdl_launch, tl, triton
 from rollplex.rollout.sampler import race_tokens
 
 SPLITS = 32  # vocabulary slices per row (at most: a small vocabulary takes fewer, a power of two)
 BLOCK = 1024  # vocabulary entries per inner iteration (at most: a short slice takes the next power of two)
+NUM_WARPS = 4  # warps of the partials launch
 
 
 @_jit
 def _race_partials(
     logits, noise, banned, m_out, l_out, s_out, i_out, V, slice_len, temperature,
-    sl_b, sn_b, NB: tl.constexpr, S: tl.constexpr, BLOCK_: tl.constexpr,
+    sl_b, sn_b, NB: tl.constexpr, S: tl.constexpr, BLOCK_: tl.constexpr, SCALE: tl.constexpr,
+    PDL: tl.constexpr,
 ):  # fmt: skip
-    """Program (row, split): max, sum of exp and best race score (with its index) of one slice."""
-    b, split = tl.program_id(0).to(tl.int64), tl.program_id(1).to(tl.int64)
+    """Program (row, split): max, sum of exp and best race score (with its index) of one slice.
+
+    The running max is one number per program (the block's max joins it once per block), so each
+    logit costs one exp; ids within the row are int32 (V < 2³¹); SCALE is off at T = 1 (x / 1 = x)."""
+    _pdl_start(PDL)
+    b, split = tl.program_id(0).to(tl.int64), tl.program_id(1)
+    row_logits, row_noise = logits + b * sl_b, noise + b * sn_b
     lo = split * slice_len
     hi = tl.minimum(lo + slice_len, V)
-    m = tl.full((BLOCK_,), float("-inf"), tl.float32)
+    m = tl.max(tl.full((BLOCK_,), float("-inf"), tl.float32), 0)
     l_ = tl.zeros((BLOCK_,), tl.float32)
     best = tl.full((BLOCK_,), float("-inf"), tl.float32)
-    best_i = tl.full((BLOCK_,), 2**62, tl.int64)
+    best_i = tl.full((BLOCK_,), 2**31 - 1, tl.int32)
     for start in range(lo, hi, BLOCK_):
-        v = start + tl.arange(0, BLOCK_).to(tl.int64)
+        v = start + tl.arange(0, BLOCK_)
         valid = v < hi
-        x = tl.load(logits + b * sl_b + v, mask=valid, other=float("-inf")).to(tl.float32) / temperature
+        x = tl.load(row_logits + v, mask=valid, other=float("-inf")).to(tl.float32)
+        if SCALE:
+            x = x / temperature
         for k in range(NB):
-            x = tl.where(v == tl.load(banned + k), float("-inf"), x)
-        e = tl.load(noise + b * sn_b + v, mask=valid, other=1.0)
+            x = tl.where(v == tl.load(banned + k).to(tl.int32), float("-inf"), x)
+        e = tl.load(row_noise + v, mask=valid, other=1.0)
         score = tl.where(x > float("-inf"), x - tl.log(e), float("-inf"))
-        m_new = tl.maximum(m, x)
+        m_new = tl.maximum(m, tl.max(x, 0))
         safe = tl.where(m_new > float("-inf"), m_new, 0.0)
         l_ = l_ * tl.exp(m - safe) + tl.exp(x - safe)
         m = m_new
         better = score > best
         best_i = tl.where(better, v, best_i)
         best = tl.where(better, score, best)
-    m_row = tl.max(m, 0)
-    safe_row = tl.where(m_row > float("-inf"), m_row, 0.0)
-    l_row = tl.sum(l_ * tl.exp(m - safe_row), 0)
     s_row = tl.max(best, 0)
-    i_row = tl.min(tl.where(best == s_row, best_i, 2**62), 0)
     at = b * S + split
-    tl.store(m_out + at, m_row)
-    tl.store(l_out + at, l_row)
+    tl.store(m_out + at, m)
+    tl.store(l_out + at, tl.sum(l_, 0))
     tl.store(s_out + at, s_row)
-    tl.store(i_out + at, i_row)
+    tl.store(i_out + at, tl.min(tl.where(best == s_row, best_i, 2**31 - 1), 0).to(tl.int64))
 
 
 @_jit
-def _race_merge(logits, m_in, l_in, s_in, i_in, tokens, logprobs, temperature, sl_b, S: tl.constexpr):
+def _race_merge(
+    logits, m_in, l_in, s_in, i_in, tokens, logprobs, temperature, sl_b, S: tl.constexpr, PDL: tl.constexpr
+):
     """Program per row: log-sum-exp over the splits, the winning token, its log-prob."""
+    _pdl_start(PDL)
     b = tl.program_id(0).to(tl.int64)
     s = tl.arange(0, S)
     m = tl.load(m_in + b * S + s)
@@ -94,6 +102,7 @@ def fused_race(
     banned_ids: torch.Tensor,
     top_p: float = 1.0,
     top_k: int = 0,
+    pdl: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``rollout.sampler.race_tokens`` as two kernels for plain temperature sampling (same arguments and
     results; log-probs equal up to float32 summation order). Greedy, top-p < 1 or top-k > 0 run
@@ -101,7 +110,8 @@ def fused_race(
 
     Args:
         logits: bf16/fp16/fp32 [B, V], last dim contiguous. noise: float32 [B, V] (Exp(1)), last dim
-            contiguous. banned_ids: int64 [K] on the logits' device.
+            contiguous. banned_ids: int64 [K] on the logits' device. pdl: launch both kernels with
+            programmatic dependent launch (only where ``decode_kernel.pdl_runs``; the same results).
 
     Returns:
         (tokens int64 [B], logprobs float32 [B]).
@@ -123,12 +133,13 @@ def fused_race(
     _race_partials[(rows, splits)](
         logits, noise, banned_ids, partial["m"], partial["l"], partial["s"], index, vocab, slice_len,
         float(temperature), logits.stride(0), noise.stride(0),
-        NB=banned_ids.numel(), S=splits, BLOCK_=min(BLOCK, _pow2(slice_len)),
+        NB=banned_ids.numel(), S=splits, BLOCK_=min(BLOCK, _pow2(slice_len)), SCALE=float(temperature) != 1.0,
+        PDL=pdl, num_warps=NUM_WARPS, **pdl_launch(pdl),
     )  # fmt: skip
     tokens = torch.empty(rows, device=logits.device, dtype=torch.int64)
     logprobs = torch.empty(rows, device=logits.device, dtype=torch.float32)
     _race_merge[(rows,)](
         logits, partial["m"], partial["l"], partial["s"], index, tokens, logprobs, float(temperature), logits.stride(0),
-        S=splits,
+        S=splits, PDL=pdl, **pdl_launch(pdl),
     )  # fmt: skip
     return tokens, logprobs
