@@ -19,6 +19,7 @@ import math
 
 import torch
 
+from rollplex.bench.common import replay_us
 from rollplex.rollout.decode_kernel import fused_decode_attention
 
 GROUPS, N, HKV, REP, D, PROMPT, LAYERS, WINDOW = 8, 8, 2, 8, 128, 4000, 36, 128
@@ -48,18 +49,8 @@ def time_call(step: int, knobs: dict, replays: int = 20) -> float:
     with torch.cuda.stream(stream):
         fused_decode_attention(*layers[0], **knobs)  # compile
     torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for args in layers:
-            fused_decode_attention(*args, **knobs)
-    graph.replay()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(replays):
-        graph.replay()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) * 1e3 / (replays * LAYERS)
+    calls = lambda: [fused_decode_attention(*args, **knobs) for args in layers]  # noqa: E731
+    return replay_us(calls, LAYERS, replays, repeats=1)[0]
 
 
 def main() -> None:

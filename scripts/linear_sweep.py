@@ -18,6 +18,7 @@ import json
 import torch
 import torch.nn.functional as F
 
+from rollplex.bench.common import replay_us
 from rollplex.rollout.linear_kernel import GateLaunch, gated_up_product
 
 ROWS, LAYERS, HIDDEN, INTER = 64, 36, 2048, 11008
@@ -64,20 +65,7 @@ def time_call(call, layers, replays: int = 20) -> dict:
         else layers[0][0].double() @ layers[0][1].double().T
     )
     error = ((first.double() - want.double()).norm() / want.double().norm()).item()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for args in layers:
-            call(*args)
-    graph.replay()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    times = []
-    for _ in range(3):
-        start.record()
-        for _ in range(replays):
-            graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / (replays * LAYERS))
+    times = replay_us(lambda: [call(*args) for args in layers], LAYERS, replays)
     us = sorted(times)[1]
     return {"us": us, "us_runs": times, "tb_per_s": layers[0][1].numel() * 2 / us / 1e6,
             "rel_error": error, "bitwise_repeat": bool(torch.equal(first, again))}  # fmt: skip

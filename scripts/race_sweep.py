@@ -18,8 +18,10 @@ import statistics
 
 import torch
 
+from rollplex.bench.common import replay_us
 from rollplex.rollout import sample_kernel
 
+CALLS = 32  # race calls per graph
 ROWS, VOCAB, BANNED = 64, 151_936, (151652, 151653, 151654, 151655, 151656)
 SETTINGS = [  # (vocabulary slices per row, entries per iteration, warps)
     (32, 1024, 4), (32, 1024, 8), (32, 2048, 8), (64, 1024, 4), (64, 512, 4), (16, 1024, 4),
@@ -32,20 +34,12 @@ def _time(race, inputs, banned) -> float:
     for logits, noise in inputs:  # compile outside the capture
         race(logits, noise, temperature=1.0, banned_ids=banned)
     torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for i in range(32):
-            logits, noise = inputs[i % len(inputs)]
-            race(logits, noise, temperature=1.0, banned_ids=banned)
-    times = []
-    for _ in range(5):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1000 / 32)
-    return statistics.median(times)
+
+    def calls() -> None:
+        for i in range(CALLS):
+            race(*inputs[i % len(inputs)], temperature=1.0, banned_ids=banned)
+
+    return statistics.median(replay_us(calls, CALLS, replays=1, repeats=5))
 
 
 def main() -> None:

@@ -126,6 +126,33 @@ def timed(fn: Callable[[], object], repeats: int, device: torch.device) -> tuple
     return times, out
 
 
+def replay_us(
+    calls: Callable[[], object], per_replay: int, replays: int = 20, repeats: int = 3
+) -> list[float]:
+    """Microseconds per call of the kernels that ``calls()`` queues on the current CUDA device
+    (``per_replay`` calls in all): captured once in a CUDA graph, replayed once to warm up, then timed
+    ``repeats`` times over ``replays`` replays each (CUDA events). Compile the kernels before: capture
+    records launches, it does not build them. Returns one figure per repeat.
+
+    Raises:
+        RuntimeError: no CUDA device, or ``calls`` does something a capture forbids.
+    """
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        calls()
+    graph.replay()
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(replays):
+            graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3 / (replays * per_replay))
+    return times
+
+
 def peak_gib(fn: Callable[[], object], device: torch.device) -> tuple[float, object]:
     """Peak device memory above the level at entry (GiB) while ``fn`` runs, and its result."""
     if device.type != "cuda":

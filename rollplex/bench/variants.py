@@ -30,15 +30,6 @@ DECODE_VARIANTS = {
         "fused_sampling": True,
         "fused_gate": True,
     },
-    "graphs+compile+triton+fused+sampling+gate+pdl": {
-        "cuda_graphs": True,
-        "compile": True,
-        "attention": "triton",
-        "fused_projections": True,
-        "fused_sampling": True,
-        "fused_gate": True,
-        "pdl": True,
-    },
     "graphs+compile+triton+fused+sampling+autotune": {
         "cuda_graphs": True,
         "compile": True,

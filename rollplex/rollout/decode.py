@@ -21,7 +21,6 @@ KV read once per group (the N rows' queries are stacked against it), never copie
 
 from __future__ import annotations
 
-import functools
 import logging
 import os
 import threading
@@ -34,8 +33,8 @@ import torch
 import torch.nn.functional as F
 
 from rollplex.config import COMPILE_MODES, DECODE_ATTENTION
-from rollplex.rollout import linear_kernel, sample_kernel
-from rollplex.rollout.decode_kernel import fused_decode_attention, pdl_runs, supports, triton
+from rollplex.rollout import sample_kernel
+from rollplex.rollout.decode_kernel import fused_decode_attention, supports, triton
 from rollplex.rollout.linear_kernel import MAX_ROWS as GATE_MAX_ROWS
 from rollplex.rollout.linear_kernel import gated_up_product
 from rollplex.rollout.sampler import race_tokens, sample_tokens
@@ -59,7 +58,6 @@ class DecodeShape:
     scaling: float
     eps: float
     gated_kernel: bool = False  # the MLP's gate/up product and SiLU gate as one Triton kernel
-    pdl: bool = False  # the Triton kernels launched with programmatic dependent launch
 
     @property
     def rows(self) -> int:
@@ -206,8 +204,7 @@ def layer_post(
     hidden = residual_add(hidden, F.linear(attention, wo))
     x = rms_norm(hidden, ln2, shape.eps)
     if shape.gated_kernel:
-        gated = linear_kernel.gated_up_product_pdl if shape.pdl else gated_up_product
-        return residual_add(hidden, F.linear(gated(x, gate_up[0]), down))
+        return residual_add(hidden, F.linear(gated_up_product(x, gate_up[0]), down))
     gate, up = _project(x, gate_up, None, [down.shape[1]] * 2)
     return residual_add(hidden, F.linear(F.silu(gate) * up, down))
 
@@ -330,9 +327,7 @@ class SamplingParams:
     fused_sampling (the decode steps' sampling race as Triton kernels, rollout.sample_kernel; on CUDA,
     elsewhere the eager race: ``fused_sampling_runs``), fused_gate (with fused_projections, the gate/up
     product and its SiLU gate as one Triton kernel, rollout.linear_kernel; on CUDA, ``fused_gate_runs``,
-    for at most linear_kernel.MAX_ROWS rows; elsewhere, or without fused_projections, ignored),
-    pdl (the decode step's Triton kernels launched with programmatic dependent launch, so each one's
-    launch overlaps the tail of the kernel before it; where ``decode_kernel.pdl_runs``, else ignored).
+    for at most linear_kernel.MAX_ROWS rows; elsewhere, or without fused_projections, ignored).
     """
 
     temperature: float
@@ -351,7 +346,6 @@ class SamplingParams:
     fused_projections: bool = False
     fused_sampling: bool = False
     fused_gate: bool = False
-    pdl: bool = False
 
     @classmethod
     def from_config(
@@ -516,7 +510,6 @@ class StaticDecoder:
             and params.fused_projections
             and fused_gate_runs(keys.device)
             and keys.shape[0] * group_size <= GATE_MAX_ROWS,
-            pdl=params.pdl and pdl_runs(keys.device),
         )
         self.model, self.prefix, self.params, self.record = model, prefix, params, record
         self.generator = generator
@@ -542,8 +535,6 @@ class StaticDecoder:
         self.race: Callable = race_tokens
         if params.fused_sampling and fused_sampling_runs(device):
             self.race = sample_kernel.fused_race
-            if self.shape.pdl:
-                self.race = functools.partial(sample_kernel.fused_race, pdl=True)
         if params.compile and use_cuda:
             self.layer_fns = _compiled_layer(params.compile_mode)
         self.use_graphs = params.cuda_graphs and use_cuda
@@ -580,9 +571,8 @@ class StaticDecoder:
             if fused:
                 lens, step = self.prompt_lens_i32, self.step_index
                 attention = fused_decode_attention(
-                    q, keys, values, lens, own_k, own_v, k, v, step, s.scaling, s.group_size, cos=cos, sin=sin,
-                    pdl=s.pdl,
-                )  # fmt: skip
+                    q, keys, values, lens, own_k, own_v, k, v, step, s.scaling, s.group_size, cos=cos, sin=sin
+                )
                 if nxt is None:
                     hidden = fns.post(hidden, attention, weights, s)
                 else:

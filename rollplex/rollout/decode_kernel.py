@@ -54,44 +54,10 @@ def supports(heads: int, kv_heads: int, head_dim: int) -> bool:
     return triton is not None and heads % kv_heads == 0 and head_dim >= 16 and head_dim & (head_dim - 1) == 0
 
 
-def pdl_runs(device: torch.device) -> bool:
-    """Whether programmatic dependent launch (PDL) can run on ``device``: CUDA of compute capability 9.0
-    or newer (Hopper), with a Triton that has ``gdc_wait`` and the ``launch_pdl`` launch option.
-
-    With PDL a kernel may be launched while the kernel before it on the stream is still running; the
-    kernels here then wait (``griddepcontrol.wait``) for it to finish before they read or write
-    anything, so what they compute is unchanged: only the launch and the programs' start overlap the
-    previous kernel's tail (CUDA programming guide, "Programmatic Dependent Launch and
-    Synchronization"). Captured in a CUDA graph, the launch becomes a programmatic edge."""
-    if triton is None or device.type != "cuda" or torch.cuda.get_device_capability(device)[0] < 9:
-        return False
-    try:
-        from triton.backends.nvidia.compiler import CUDAOptions
-        from triton.language.extra import cuda
-    except ImportError:  # pragma: no cover - a Triton without the NVIDIA backend
-        return False
-    return hasattr(cuda, "gdc_wait") and "launch_pdl" in getattr(CUDAOptions, "__dataclass_fields__", {})
-
-
-def pdl_launch(pdl: bool) -> dict:
-    """Launch keywords of a kernel with PDL on (``pdl_runs``): none when off, so Triton's interpreter and
-    older Triton releases never see the option."""
-    return {"launch_pdl": True} if pdl else {}
-
-
 def _jit(fn):
     """``triton.jit`` where Triton is installed (its interpreter on the CPU under ``TRITON_INTERPRET=1``,
     which must be set before this module is imported); the plain function otherwise."""
     return triton.jit(fn) if triton is not None else fn
-
-
-@_jit
-def _pdl_start(PDL: tl.constexpr):
-    """With PDL (a compile-time flag): wait until the previous kernel on the stream has finished and its
-    writes are visible, then let the next kernel launch. Every kernel launched with PDL calls this
-    before its first load or store, so a chain of them stays ordered as without PDL."""
-    if PDL:
-        tl.extra.cuda.gdc_wait()
 
 
 @_jit
@@ -216,11 +182,10 @@ def _partials(
     prefix_programs, splits, own_chunks, scale,
     N: tl.constexpr, REP: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, NQ_PREFIX: tl.constexpr,
     NQ_OWN: tl.constexpr, PREFIX_CHUNK_: tl.constexpr, OWN_CHUNK_: tl.constexpr, BLOCK: tl.constexpr,
-    ROPE: tl.constexpr, PDL: tl.constexpr,
+    ROPE: tl.constexpr,
 ):  # fmt: skip
     """One launch for both kinds of partials: programs 0..prefix_programs-1 are prefix programs, the
     rest own-key programs (so the two bandwidth-bound halves share the device instead of queueing)."""
-    _pdl_start(PDL)
     pid = tl.program_id(0).to(tl.int64)
     if pid < prefix_programs:
         _prefix_program(
@@ -239,10 +204,9 @@ def _partials(
 
 
 @_jit
-def _merge(m, l_, acc, out, splits, so_s, sa_s, D: tl.constexpr, S: tl.constexpr, PDL: tl.constexpr):
+def _merge(m, l_, acc, out, splits, so_s, sa_s, D: tl.constexpr, S: tl.constexpr):
     """Program per (row, head): out = Σ_s exp(m_s − M) acc_s / Σ_s exp(m_s − M) l_s, written in the
     output dtype. Partials of (row, head) sit at m[s, bh], acc[s, bh, :] (bh = row·H + head)."""
-    _pdl_start(PDL)
     bh = tl.program_id(0).to(tl.int64)
     s, d = tl.arange(0, S), tl.arange(0, D)
     valid = s < splits
@@ -278,7 +242,6 @@ def fused_decode_attention(
     num_warps: int = NUM_WARPS,
     num_stages: int = NUM_STAGES,
     merge_warps: int = MERGE_WARPS,
-    pdl: bool = False,
 ) -> torch.Tensor:
     """Write the step's key/value into the cache, then attend: one query per row over [its group's
     boundary KV ; its own keys 0..step].
@@ -300,8 +263,7 @@ def fused_decode_attention(
             knobs, measured by scripts/attention_sweep.py; any size is exact). block_keys (a power of
             two >= 16), num_warps (a power of two), num_stages: keys per inner iteration and the partials
             launch's warps and pipeline stages; merge_warps (a power of two): the merge launch's warps
-            (tuning knobs as well). pdl: launch both kernels with programmatic dependent launch
-            (only where ``pdl_runs``; the same results).
+            (tuning knobs as well).
 
     Returns:
         [B, H·D] in the dtype of ``q`` (softmax statistics and accumulation in float32).
@@ -340,15 +302,14 @@ def fused_decode_attention(
         *m.stride(), *acc.stride()[:3],
         prefix_programs, splits, own_chunks, scaling,
         N=group_size, REP=rep, HKV=hkv, D=d, NQ_PREFIX=_pow2(group_size * rep), NQ_OWN=_pow2(rep),
-        PREFIX_CHUNK_=prefix_chunk, OWN_CHUNK_=own_chunk, BLOCK=block_keys, ROPE=rope, PDL=pdl,
-        num_warps=num_warps, num_stages=num_stages, **pdl_launch(pdl),
+        PREFIX_CHUNK_=prefix_chunk, OWN_CHUNK_=own_chunk, BLOCK=block_keys, ROPE=rope,
+        num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
     out = torch.empty(b, h * d, device=q.device, dtype=q.dtype)
     parts = splits + own_chunks
     _merge[(b * h,)](
-        m, l_, acc, out, parts, m.stride(0), acc.stride(0), D=d, S=_pow2(parts, 2), PDL=pdl,
-        num_warps=merge_warps, **pdl_launch(pdl),
-    )  # fmt: skip
+        m, l_, acc, out, parts, m.stride(0), acc.stride(0), D=d, S=_pow2(parts, 2), num_warps=merge_warps
+    )
     return out
 
 

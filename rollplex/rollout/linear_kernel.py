@@ -30,7 +30,7 @@ from dataclasses import dataclass
 
 import torch
 
-from rollplex.rollout.decode_kernel import _jit, _pdl_start, _pow2, pdl_launch, triton
+from rollplex.rollout.decode_kernel import _jit, _pow2, triton
 
 if triton is not None:
     import triton.language as tl
@@ -72,11 +72,9 @@ def _dot(a, b, acc, IEEE: tl.constexpr):
 def _gated(
     x, w, out, M, INTER, K, up_offset, stride_xm, stride_wn, stride_om,
     F64: tl.constexpr, IEEE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    PDL: tl.constexpr,
 ):  # fmt: skip
     """Program (n tile, m tile): SiLU(x·W_gate[n tile]ᵀ) · (x·W_up[n tile]ᵀ); W_up starts up_offset
     elements after W_gate."""
-    _pdl_start(PDL)
     pid_n, pid_m = tl.program_id(0), tl.program_id(1)
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -107,15 +105,14 @@ def _gated(
 
 
 def gated_up_product(
-    x: torch.Tensor, gate_up: torch.Tensor, launch: GateLaunch = GateLaunch(), pdl: bool = False
+    x: torch.Tensor, gate_up: torch.Tensor, launch: GateLaunch = GateLaunch()
 ) -> torch.Tensor:
     """SiLU(x·W_gateᵀ) · (x·W_upᵀ) of the concatenated weight gate_up = [W_gate; W_up].
 
     Args:
         x: [M, K] (the post-attention-normed hidden states), last dim contiguous. gate_up: [2·I, K],
             gate rows first, last dim contiguous, x's dtype and device. launch: ``GateLaunch`` (float64
-            inputs run at most two of its pipeline stages). pdl: launch with programmatic dependent
-            launch (only where ``decode_kernel.pdl_runs``; the same result).
+            inputs run at most two of its pipeline stages).
 
     Returns:
         [M, I] in x's dtype. Products summed in float32 (float64 for float64 inputs; float32 operands
@@ -138,7 +135,7 @@ def gated_up_product(
     _gated[(math.ceil(inter / launch.block_n), math.ceil(m / block_m))](
         x, gate_up, out, m, inter, k, inter * gate_up.stride(0), x.stride(0), gate_up.stride(0), out.stride(0),
         F64=x.dtype == torch.float64, IEEE=x.dtype == torch.float32, BLOCK_M=block_m, BLOCK_N=launch.block_n,
-        BLOCK_K=launch.block_k, PDL=pdl, num_warps=launch.num_warps, num_stages=stages, **pdl_launch(pdl),
+        BLOCK_K=launch.block_k, num_warps=launch.num_warps, num_stages=stages,
     )  # fmt: skip
     return out
 
@@ -154,15 +151,3 @@ def _check(x: torch.Tensor, gate_up: torch.Tensor) -> None:
         problems.append("a contiguous last dimension")
     if problems:
         raise ValueError("gated decode product needs " + "; ".join(problems))
-
-
-@torch.library.custom_op("rollplex::gated_up_product_pdl", mutates_args=())
-def gated_up_product_pdl(x: torch.Tensor, gate_up: torch.Tensor) -> torch.Tensor:
-    """``gated_up_product`` launched with PDL, as an operator that torch.compile calls as it is (a Triton
-    kernel called inside compiled code is launched by inductor, without the PDL launch option)."""
-    return gated_up_product(x, gate_up, pdl=True)
-
-
-@gated_up_product_pdl.register_fake
-def _(x: torch.Tensor, gate_up: torch.Tensor) -> torch.Tensor:
-    return x.new_empty(x.shape[0], gate_up.shape[0] // 2)

@@ -186,35 +186,6 @@ def test_graph_replay_equals_eager_decode(models, attention, sampling, gate, mon
     assert torch.equal(graphed.logprobs, eager.logprobs)
 
 
-@pytest.mark.parametrize("compile", [True, False])
-def test_pdl_rollout_equals_plain_launch(models, compile, monkeypatch):
-    """Programmatic dependent launch changes when kernels start, not what they compute: with every
-    Triton kernel of the step (attention partials and merge, gated gate/up, sampling race) launched with
-    PDL, the captured rollout is bitwise the one launched plainly, and the kernels did run with PDL."""
-    if not decode.pdl_runs(torch.device("cuda")):
-        pytest.skip("PDL needs compute capability 9.0 and a Triton with launch_pdl")
-    model = _bf16_model(models[0])
-    prompts = _prompts("cuda", torch.bfloat16)
-    options = {
-        "compile": compile,
-        "attention": "triton",
-        "fused_projections": True,
-        "fused_sampling": True,
-        "fused_gate": True,
-    }
-    launched, real = [], decode.fused_decode_attention
-    monkeypatch.setattr(
-        decode, "fused_decode_attention", lambda *a, **k: launched.append(k["pdl"]) or real(*a, **k)
-    )
-    with_pdl = _bf16_rollout(model, prompts, cuda_graphs=True, pdl=True, **options)
-    assert launched and all(launched)
-    launched.clear()
-    plain = _bf16_rollout(model, prompts, cuda_graphs=True, pdl=False, **options)
-    assert launched and not any(launched)
-    assert torch.equal(with_pdl.responses, plain.responses)
-    assert torch.equal(with_pdl.logprobs, plain.logprobs)
-
-
 def test_batched_vision_attention_bf16(models, monkeypatch):
     """bf16 on CUDA: the batched vision attention gives the vision tower's output within bf16 rounding
     of transformers' per-window loop (same kernels, batched), gradients included; this transformers
