@@ -24,7 +24,9 @@ from rollplex.rollout.linear_kernel import GateLaunch, gated_up_product
 ROWS, LAYERS, HIDDEN, INTER = 64, 36, 2048, 11008
 L = GateLaunch
 SETTINGS = [L(64, 64), L(32, 64), L(128, 64), L(64, 128), L(32, 128), L(64, 64, num_stages=3),
-            L(64, 64, num_stages=5), L(64, 64, 8), L(128, 64, 8), L(32, 64, 2), L(64, 32, num_stages=6)]  # fmt: skip
+            L(64, 64, num_stages=5), L(64, 64, 8), L(128, 64, 8), L(32, 64, 2), L(64, 32, num_stages=6),
+            L(16, 64), L(16, 128), L(16, 64, 2), L(16, 64, num_stages=6), L(32, 64, num_stages=3),
+            L(32, 64, num_stages=5), L(32, 128, num_stages=3)]  # fmt: skip
 
 
 def _float64_gate(x: torch.Tensor, gate_up: torch.Tensor) -> torch.Tensor:
