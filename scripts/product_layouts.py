@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -55,8 +56,7 @@ def main() -> None:
             results[f"{name} | {layout}"] = us
             print(f"{name:8} {layout:30} {us:7.2f} µs  bitwise equal to F.linear: {torch.equal(got, want)}")
     if args.out:
-        with open(args.out, "w") as f:
-            json.dump(results, f, indent=1)
+        Path(args.out).write_text(json.dumps(results, indent=1))
 
 
 if __name__ == "__main__":

@@ -15,6 +15,7 @@ import argparse
 import importlib.util
 import json
 import statistics
+from pathlib import Path
 
 import torch
 
@@ -74,8 +75,7 @@ def main() -> None:
         same = "" if want is None else f"  tokens equal the baseline's: {torch.equal(got[0], want[0])}"
         print(f"{name:>14} {results[name]:8.2f} µs{same}")
     if args.out:
-        with open(args.out, "w") as f:
-            json.dump(results, f, indent=1)
+        Path(args.out).write_text(json.dumps(results, indent=1))
 
 
 if __name__ == "__main__":
