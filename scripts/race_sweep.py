@@ -5,6 +5,7 @@ the L2 cache); µs per call, median of 5 replays.
 
     python scripts/race_sweep.py [--baseline FILE] [--out results.json]
 
+The JSON gives µs per call and, with a baseline, whether each setting drew the baseline's tokens.
 ``--baseline`` times the ``fused_race`` of another copy of sample_kernel.py (e.g. an earlier commit's,
 ``git show REV:rollplex/rollout/sample_kernel.py > old.py``) beside this one's settings.
 """
@@ -70,10 +71,11 @@ def main() -> None:
     for splits, block, warps in SETTINGS:
         sample_kernel.SPLITS, sample_kernel.BLOCK, sample_kernel.NUM_WARPS = splits, block, warps
         name = f"{splits}/{block}/{warps}"
-        results[name] = _time(sample_kernel.fused_race, inputs, banned)
+        us = _time(sample_kernel.fused_race, inputs, banned)
         got = sample_kernel.fused_race(*inputs[0], temperature=1.0, banned_ids=banned)
-        same = "" if want is None else f"  tokens equal the baseline's: {torch.equal(got[0], want[0])}"
-        print(f"{name:>14} {results[name]:8.2f} µs{same}")
+        same = None if want is None else torch.equal(got[0], want[0])
+        results[name] = {"us": us, "tokens_equal_baseline": same}
+        print(f"{name:>14} {us:8.2f} µs" + ("" if same is None else f"  tokens equal the baseline's: {same}"))
     if args.out:
         Path(args.out).write_text(json.dumps(results, indent=1))
 

@@ -15,10 +15,11 @@ and a merge per row gives lse = M + log Σ_s l_s exp(m_s − M), the token = arg
 index on ties, as ``argmax``), and its log-prob x_token − lse — the trainer's definition
 (``token_logprobs``) up to float32 summation order. Each program keeps one running max m_s (a block's
 max joins it once per block), so a logit costs one exp; measured on one H200 at the decode workload's
-shape (64 × 151,936, bf16 logits; scripts/race_sweep.py), the partials kernel takes 33.4 µs per call,
-against 55.5 µs with a running max per lane (two exps per logit) and int64 ids. The argmax is over
-x − log E instead of log p − log E: the two differ by the row constant lse, the same law. Top-p / top-k / greedy keep the
-eager race (``fused_race`` falls back).
+shape (64 × 151,936, bf16 logits; scripts/race_sweep.py), the race (both kernels) takes 33.4 µs per
+call, against 55.5 µs with a running max per lane (two exps per logit) and int64 ids. The argmax is
+over x − log E instead of log p − log E: the two differ by the row constant lse, the same law. Top-p /
+top-k / greedy keep the eager race (``fused_race`` falls back), and so do vocabularies over
+``MAX_VOCAB`` = 2³⁰ ids (ids within a row are int32, with room for a slice's and a block's overshoot).
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from rollplex.rollout.sampler import race_tokens
 SPLITS = 32  # vocabulary slices per row (at most: a small vocabulary takes fewer, a power of two)
 BLOCK = 1024  # vocabulary entries per inner iteration (at most: a short slice takes the next power of two)
 NUM_WARPS = 4  # warps of the partials launch
+MAX_VOCAB = 2**30  # larger vocabularies take the eager race (int32 ids within a row; module docstring)
 
 
 @_jit
@@ -41,7 +43,7 @@ def _race_partials(
     """Program (row, split): max, sum of exp and best race score (with its index) of one slice.
 
     The running max is one number per program (the block's max joins it once per block), so each
-    logit costs one exp; ids within the row are int32 (V < 2³¹); SCALE is off at T = 1 (x / 1 = x)."""
+    logit costs one exp; ids within the row are int32 (V ≤ MAX_VOCAB); SCALE is off at T = 1 (x / 1 = x)."""
     b, split = tl.program_id(0).to(tl.int64), tl.program_id(1)
     row_logits, row_noise = logits + b * sl_b, noise + b * sn_b
     lo = split * slice_len
@@ -103,7 +105,7 @@ def fused_race(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``rollout.sampler.race_tokens`` as two kernels for plain temperature sampling (same arguments and
     results; log-probs equal up to float32 summation order). Greedy, top-p < 1, top-k > 0, float64
-    logits or a vocabulary of 2³¹ ids or more run ``race_tokens`` itself.
+    logits or a vocabulary of more than ``MAX_VOCAB`` ids run ``race_tokens`` itself.
 
     Args:
         logits: bf16/fp16/fp32 [B, V], last dim contiguous. noise: float32 [B, V] (Exp(1)), last dim
@@ -120,7 +122,7 @@ def fused_race(
         or top_p < 1.0
         or top_k > 0
         or logits.dtype == torch.float64
-        or logits.shape[-1] >= 2**31
+        or logits.shape[-1] > MAX_VOCAB
     ):
         return race_tokens(
             logits, noise, temperature=temperature, banned_ids=banned_ids, top_p=top_p, top_k=top_k

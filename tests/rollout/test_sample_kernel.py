@@ -9,7 +9,8 @@ import torch
 
 pytest.importorskip("triton")
 
-from rollplex.rollout.sample_kernel import SPLITS, fused_race  # noqa: E402
+from rollplex.rollout import sample_kernel  # noqa: E402
+from rollplex.rollout.sample_kernel import BLOCK, MAX_VOCAB, SPLITS, fused_race  # noqa: E402
 from rollplex.rollout.sampler import race_tokens  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -93,3 +94,44 @@ def test_a_row_without_a_finite_score_gives_an_id_in_range():
     assert int(tokens[0]) == int(
         race_tokens(logits[:1], noise[:1], temperature=1.0, banned_ids=torch.tensor([5], device=DEVICE))[0]
     )
+
+
+def test_ties_within_one_lane_and_program_go_to_the_first_index():
+    """Equal best scores in one program: in the same lane across blocks (ids 6 and BLOCK + 6) and in two
+    lanes of one block (BLOCK + 5): the smallest id wins, as ``argmax``."""
+    vocab = SPLITS * BLOCK * 2  # two blocks per slice
+    logits = torch.zeros(2, vocab, device=DEVICE)
+    noise = torch.ones(2, vocab, device=DEVICE)
+    for v in (BLOCK + 6, 6, BLOCK + 5):
+        logits[:, v] = 5.0
+    none = torch.tensor([], device=DEVICE, dtype=torch.long)
+    tokens, _ = fused_race(logits, noise, temperature=1.0, banned_ids=none)
+    assert tokens.tolist() == [6, 6]
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.8])
+def test_slices_without_a_finite_logit_merge_away(temperature):
+    """The first slices hold only -inf logits (their running max stays -inf): the token and its
+    log-prob still equal the eager race's, and the log-prob is finite."""
+    logits, noise = _inputs(3, 5000, torch.float32, seed=4)
+    logits[:, : 3 * BLOCK] = float("-inf")
+    args = dict(temperature=temperature, banned_ids=torch.tensor([4000], device=DEVICE))
+    (tokens, logprobs), (want_tokens, want_logprobs) = (
+        fused_race(logits, noise, **args),
+        race_tokens(logits, noise, **args),
+    )
+    assert torch.equal(tokens, want_tokens) and bool(torch.isfinite(logprobs).all())
+    assert (logprobs - want_logprobs).abs().max() <= 2e-5
+
+
+def test_a_vocabulary_over_the_int32_bound_takes_the_eager_race(monkeypatch):
+    """Ids within a row are int32 in the kernel: a vocabulary over MAX_VOCAB goes to the eager race
+    (meta tensors: shapes only)."""
+    seen = []
+    monkeypatch.setattr(
+        sample_kernel, "race_tokens", lambda logits, *a, **k: seen.append(logits.shape) or (None, None)
+    )
+    logits = torch.empty(1, MAX_VOCAB + 1, device="meta")
+    none = torch.tensor([], dtype=torch.long, device="meta")
+    fused_race(logits, torch.empty_like(logits), temperature=1.0, banned_ids=none)
+    assert seen == [(1, MAX_VOCAB + 1)]
