@@ -65,8 +65,8 @@ def main() -> None:
         spec = importlib.util.spec_from_file_location("baseline_sample_kernel", args.baseline)
         module = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(module)
-        results["baseline"] = _time(module.fused_race, inputs, banned)
-        print(f"baseline {results['baseline']:.2f} µs")
+        results["baseline"] = {"us": _time(module.fused_race, inputs, banned)}
+        print(f"baseline {results['baseline']['us']:.2f} µs")
     want = module.fused_race(*inputs[0], temperature=1.0, banned_ids=banned) if args.baseline else None
     for splits, block, warps in SETTINGS:
         sample_kernel.SPLITS, sample_kernel.BLOCK, sample_kernel.NUM_WARPS = splits, block, warps

@@ -124,14 +124,22 @@ def test_slices_without_a_finite_logit_merge_away(temperature):
     assert (logprobs - want_logprobs).abs().max() <= 2e-5
 
 
-def test_a_vocabulary_over_the_int32_bound_takes_the_eager_race(monkeypatch):
-    """Ids within a row are int32 in the kernel: a vocabulary over MAX_VOCAB goes to the eager race
-    (meta tensors: shapes only)."""
+def test_the_vocabulary_bound_leaves_room_in_int32():
+    """The kernel forms ids up to a slice's end (≤ V + SPLITS) and a block past it (+ BLOCK) in int32,
+    and keeps 2³¹ − 1 as its no-index sentinel."""
+    assert MAX_VOCAB + SPLITS + BLOCK < 2**31 - 1
+
+
+def test_a_vocabulary_over_the_bound_takes_the_eager_race(monkeypatch):
+    """At the bound the kernel runs; one id over it, the eager race (a bound of 300 stands in for 2³⁰)."""
     seen = []
+    monkeypatch.setattr(sample_kernel, "MAX_VOCAB", 300)
     monkeypatch.setattr(
         sample_kernel, "race_tokens", lambda logits, *a, **k: seen.append(logits.shape) or (None, None)
     )
-    logits = torch.empty(1, MAX_VOCAB + 1, device="meta")
-    none = torch.tensor([], dtype=torch.long, device="meta")
-    fused_race(logits, torch.empty_like(logits), temperature=1.0, banned_ids=none)
-    assert seen == [(1, MAX_VOCAB + 1)]
+    none = torch.tensor([], dtype=torch.long, device=DEVICE)
+    logits, noise = _inputs(2, 301, torch.float32, seed=5)
+    tokens, _ = fused_race(logits[:, :300], noise[:, :300].contiguous(), temperature=1.0, banned_ids=none)
+    assert seen == [] and tokens.shape == (2,)
+    fused_race(logits, noise, temperature=1.0, banned_ids=none)
+    assert seen == [(2, 301)]
