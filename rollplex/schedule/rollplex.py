@@ -42,7 +42,14 @@ from rollplex.phases import (
     rollout_prefix,
     uses_reference,
 )
-from rollplex.schedule.concurrency import SideResult, SideWork, decode_stream, on_stream, stream_sync
+from rollplex.schedule.concurrency import (
+    SideResult,
+    SideWork,
+    cross_stream_backward,
+    decode_stream,
+    on_stream,
+    stream_sync,
+)
 from rollplex.schedule.eq1 import Standalone, phase1_terms
 from rollplex.types import PrefixState, Prompt, RolloutBatch, ScoredBatch
 
@@ -267,7 +274,7 @@ class RollplexSchedule:
             scored = reward_phase(roles, first.rollout)
         with timer.phase("reference"):
             scored = reference_phase(roles, scored, prefix=first.reference)
-        with timer.phase("actor"):
+        with timer.phase("actor"), cross_stream_backward():
             stats = [actor_backward(roles, scored, list(range(len(prompts))), None, prefixes=first.actor)]
         with timer.phase("optimizer"):
             norms = [roles.optimizer.clip_and_step(cfg.optim.max_grad_norm)]
