@@ -23,9 +23,10 @@ reuses freed memory only on the stream that allocated it, so the rollout prefill
 fusion) runs on the main stream, where Phase 2 can reuse its transient memory, and only decode's own
 buffers come from the decode stream. The attached actor
 prefix's backward (Phase 2) runs its ops on the worker stream, where their forward ran; autograd orders
-those against the main stream itself. The parameters' gradient accumulators then receive gradients from
-both streams, which torch reports with a warning that ``cross_stream_backward`` turns off for that
-backward: the mismatch is by design, and torch synchronises it (the parameters equal serial's bitwise).
+those against the main stream itself. Without prefill fusion, the attached actor prefix runs on the
+worker stream, so the parameters' gradient accumulators receive gradients from both streams; torch
+reports that with a warning, which ``cross_stream_backward`` turns off for that backward. The mismatch is
+by design, and torch synchronises it (the parameters equal serial's bitwise).
 
 This module is the only place that creates threads or streams for the schedule; model code never
 synchronises. On the CPU the worker is a plain thread (torch releases the GIL inside its kernels), so the
@@ -90,11 +91,13 @@ def set_sm_carveout(sms: int | None) -> int | None:
 @contextlib.contextmanager
 def cross_stream_backward():
     """Turn off torch's "AccumulateGrad node's stream does not match" warning for the body, then restore
-    the previous setting. For the actor backward after an overlapped Phase 1: the attached prefix's
-    forward ran on the worker stream and the suffixes' on the main stream, so each parameter's
-    gradient accumulator, made on one of them, receives gradients from the other as well; autograd
-    synchronises the two streams there (torch.autograd.graph.set_warn_on_accumulate_grad_stream_mismatch).
-    A no-op where torch lacks the setting."""
+    the previous setting. For the actor backward after an overlapped Phase 1 without prefill fusion:
+    the attached prefix's forward ran on the worker stream and the suffixes' on the main stream, so
+    each parameter's gradient accumulator, made on one of them, receives gradients from the other as
+    well; autograd synchronises the two streams there
+    (torch.autograd.graph.set_warn_on_accumulate_grad_stream_mismatch). With fusion the actor prefix
+    runs on the main stream and nothing changes. A no-op where torch lacks the setting's getter or
+    setter (private torch._C functions)."""
     getter = getattr(torch._C, "_warn_on_accumulate_grad_stream_mismatch", None)
     setter = getattr(torch._C, "_set_warn_on_accumulate_grad_stream_mismatch", None)
     if getter is None or setter is None:

@@ -121,3 +121,21 @@ def test_barriers(assets, tmp_path, device):  # noqa: F811
         recorder = _Recorder(run.roles.actor.model.language_model)
         step(run.roles, run.train.next_batch(), recorder)
         _check_barriers(recorder.events, order)
+
+
+@pytest.mark.skipif(
+    not hasattr(torch._C, "_warn_on_accumulate_grad_stream_mismatch"), reason="this torch has no such warning"
+)
+def test_the_actor_backward_runs_with_the_stream_warning_off(assets, tmp_path, monkeypatch):  # noqa: F811
+    """The overlapped schedule's actor backward runs inside ``cross_stream_backward`` (the warning off),
+    and the setting is back on after the step."""
+    import rollplex.schedule.rollplex as schedule
+
+    seen, real = [], schedule.actor_backward
+    warns = torch._C._warn_on_accumulate_grad_stream_mismatch
+    monkeypatch.setattr(schedule, "actor_backward", lambda *a, **k: seen.append(warns()) or real(*a, **k))
+    cfg = _config(assets, tmp_path / "run", 1, **{"run.device": "cpu", **SCHEDULES["rollplex"]})
+    run = build_run(cfg)
+    assert warns() is True
+    make_step(cfg, run.device)(run.roles, run.train.next_batch(), PhaseTimer())
+    assert seen == [False] and warns() is True
