@@ -217,6 +217,11 @@ def _merge(m, l_, acc, out, splits, so_s, sa_s, D: tl.constexpr, S: tl.constexpr
     tl.store(out + bh * D + d, (tl.sum(parts * weight[:, None], 0) / norm).to(out.dtype.element_ty))
 
 
+def is_pow2(value: object, least: int = 1) -> bool:
+    """Whether ``value`` is an int power of two >= ``least`` (the kernels' block sizes and warps)."""
+    return isinstance(value, int) and value >= least and value & (value - 1) == 0
+
+
 def _pow2(n: int, least: int = 16) -> int:
     return max(least, 1 << (n - 1).bit_length())
 
@@ -279,13 +284,13 @@ def fused_decode_attention(
     _check_inputs(q, prefix_k, prefix_v, prefix_lens, own_k, own_v, new_k, new_v, step, group_size)
     _check_rope(q, cos, sin)
     knobs = (prefix_chunk, own_chunk, num_warps, num_stages, merge_warps)
-    powers = all(w & (w - 1) == 0 for w in (num_warps, merge_warps) if isinstance(w, int))
+    powers = is_pow2(num_warps) and is_pow2(merge_warps)
     if not all(isinstance(c, int) and c >= 1 for c in knobs) or not powers:
         raise ValueError(
             "fused decode attention needs integer chunk sizes, warps and stages >= 1, warps a power of "
             f"two, got {knobs}"
         )
-    if not isinstance(block_keys, int) or block_keys < 16 or block_keys & (block_keys - 1):
+    if not is_pow2(block_keys, 16):
         raise ValueError(f"fused decode attention needs block_keys a power of two >= 16, got {block_keys!r}")
     rep, splits = h // hkv, math.ceil(p / prefix_chunk)
     own_chunks = math.ceil(own_k.shape[2] / own_chunk)

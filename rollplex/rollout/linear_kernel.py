@@ -30,7 +30,7 @@ from dataclasses import dataclass
 
 import torch
 
-from rollplex.rollout.decode_kernel import _jit, _pow2, triton
+from rollplex.rollout.decode_kernel import _jit, _pow2, is_pow2, triton
 
 if triton is not None:
     import triton.language as tl
@@ -52,8 +52,7 @@ class GateLaunch:
     num_stages: int = 4
 
     def __post_init__(self) -> None:
-        pow2 = lambda v, least: isinstance(v, int) and v >= least and v & (v - 1) == 0  # noqa: E731
-        ok = pow2(self.block_n, 16) and pow2(self.block_k, 16) and pow2(self.num_warps, 1)
+        ok = is_pow2(self.block_n, 16) and is_pow2(self.block_k, 16) and is_pow2(self.num_warps)
         if not ok or not (isinstance(self.num_stages, int) and self.num_stages >= 1):
             raise ValueError(
                 f"gate launch needs block_n, block_k powers of two >= 16, warps a power of two, stages >= 1: {self}"
