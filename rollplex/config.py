@@ -236,6 +236,23 @@ class RewardConfig:
     weights: list[float] = field(
         default_factory=list, metadata=_meta("weight of each function; [] = 1.0 each")
     )
+    temporal_alpha: float = _field(
+        0.0,
+        "T-GRPO bonus (Video-R1) added to the total reward of eligible responses of video groups, which "
+        "costs one shuffled-frame rollout per video group; 0 = off (Video-R1 uses 0.3)",
+        ge=0.0,
+    )
+    temporal_mu: float = _field(
+        1.0,
+        "T-GRPO threshold: a video group gets the bonus when its accuracy >= mu x its shuffled-frame "
+        "accuracy (Video-R1's code has 0.8, its authors intend 1.0)",
+        ge=0.0,
+    )
+    temporal_samples: int = _field(
+        0,
+        "T-GRPO shuffled-frame responses per video group; 0 = half the group size, at least 1 (Video-R1)",
+        ge=0,
+    )
 
 
 @dataclass(kw_only=True)
@@ -421,7 +438,11 @@ def _check_rewards(w: RewardConfig) -> None:
         raise _conflict(
             "reward.weights", w.weights, "reward.functions", w.functions, "need one weight per function"
         )
-    from rollplex.algo.rewards import resolve_reward  # torch-heavy: imported only to check the names
+    from rollplex.algo.rewards import ACCURACY_REWARDS, resolve_reward  # torch-heavy: imported to check
+
+    if w.temporal_alpha > 0 and not set(w.functions) & set(ACCURACY_REWARDS):
+        why = f"the T-GRPO bonus compares accuracies: name one of {list(ACCURACY_REWARDS)}"
+        raise _conflict("reward.temporal_alpha", w.temporal_alpha, "reward.functions", w.functions, why)
 
     for name in w.functions:
         try:
@@ -528,6 +549,11 @@ def validate_for_training(cfg: Config) -> None:
 def data_root(cfg: DataConfig) -> Path:
     """Folder that record media paths are relative to: ``data_root``, else the folder of ``train_path``."""
     return Path(cfg.data_root) if cfg.data_root else Path(cfg.train_path).parent
+
+
+def temporal_samples(reward: RewardConfig, group_size: int) -> int:
+    """Shuffled-frame responses per video group of T-GRPO (``reward.temporal_samples``; 0 = N/2, at least 1)."""
+    return reward.temporal_samples or max(1, group_size // 2)
 
 
 def reward_weights(cfg: RewardConfig) -> list[float]:

@@ -81,8 +81,11 @@ def special_ids(model, tokenizer, path: str) -> tuple[torch.Tensor, tuple[int, .
     return torch.tensor(sorted(int(i) for i in banned)), eos_ids, int(pad)
 
 
-def build_source(cfg: Config, path: str, processor, model, shuffle: bool) -> tuple[PromptSource, int]:
-    """Records of ``path`` behind a PromptSource; returns it and the count of malformed records."""
+def build_source(
+    cfg: Config, path: str, processor, model, shuffle: bool, shuffled_twins: bool = False
+) -> tuple[PromptSource, int]:
+    """Records of ``path`` behind a PromptSource; returns it and the count of malformed records.
+    ``shuffled_twins``: video prompts carry their shuffled-frame twin (T-GRPO)."""
     records, malformed = load_records(path)
     data = cfg.data
     root = data_root(data)
@@ -103,6 +106,8 @@ def build_source(cfg: Config, path: str, processor, model, shuffle: bool) -> tup
         image=ImageSampling(min_pixels=data.image_min_pixels, max_pixels=data.image_max_pixels),
         tokens=VisionTokens.from_config(model.config),
         temporal_patch_size=int(vision.temporal_patch_size),
+        shuffled_twins=shuffled_twins,
+        seed=cfg.run.seed,
     )
     source = PromptSource(records, builder, cfg.rollout.prompts_per_step, seed=cfg.run.seed, shuffle=shuffle)
     return source, malformed
@@ -150,7 +155,14 @@ def build_run(cfg: Config) -> Run:
     optimizer = MasterWeightAdamW.for_model(actor, cfg.optim)
     generator = torch.Generator(device=device).manual_seed(cfg.run.seed)
     roles = Roles(actor, reference, optimizer, processor.tokenizer, sampling, generator, cfg)
-    train_source, malformed = build_source(cfg, cfg.data.train_path, processor, actor, cfg.data.shuffle)
+    train_source, malformed = build_source(
+        cfg,
+        cfg.data.train_path,
+        processor,
+        actor,
+        cfg.data.shuffle,
+        shuffled_twins=cfg.reward.temporal_alpha > 0,
+    )
     val_source = None
     if cfg.data.val_path:
         val_source, _ = build_source(cfg, cfg.data.val_path, processor, actor, shuffle=False)
@@ -216,6 +228,24 @@ def step_metrics(scored: ScoredBatch, stats: list[ActorStats], norms: list[float
         out[f"reward/{name}"] = float(values.float().mean())
     if any(name in FORMAT_REWARDS for name in rewards.per_function):
         out["format_rate"] = float(rewards.format.mean())
+    out.update(temporal_metrics(scored))
+    return out
+
+
+def temporal_metrics(scored: ScoredBatch) -> dict[str, float]:
+    """T-GRPO's scalars (none when it is off): video groups in the batch, the mean accuracy of their
+    ordered and shuffled-frame responses, and the fraction of those groups given the bonus."""
+    shuffled = scored.shuffled
+    if shuffled is None:
+        return {}
+    out = {"temporal/video_groups": float(len(shuffled.groups))}
+    if shuffled.groups:
+        n = scored.rollout.group_size
+        ordered = scored.rewards.accuracy.view(-1, n)[shuffled.groups]
+        bonus = scored.rewards.per_function["temporal"].view(-1, n)[shuffled.groups]
+        out["temporal/ordered_accuracy"] = float(ordered.mean())
+        out["temporal/shuffled_accuracy"] = float(shuffled.accuracy.mean())
+        out["temporal/bonus_groups"] = float((bonus > 0).any(dim=1).float().mean())
     return out
 
 

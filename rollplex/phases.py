@@ -1,7 +1,8 @@
 """The phases of one synchronous GRPO iteration (docs/architecture.md), each a function of typed inputs.
 
     rollout    rollout prefix (detached, θ_k) → decode N responses per group
-    rewards    reward functions → group advantages
+    temporal   (T-GRPO only) decode M responses per video group from its shuffled-frame twin
+    rewards    reward functions (+ T-GRPO bonus) → group advantages
     reference  reference prefix (detached) + suffix scoring → ref log-probs
     actor      actor prefix (attached) + suffix → GRPO loss → backward
     optimizer  clip + AdamW → θ_{k+1}
@@ -20,12 +21,12 @@ import torch
 from rollplex.algo.advantages import group_advantages
 from rollplex.algo.kl import kl_penalty
 from rollplex.algo.losses import aggregate, policy_loss
-from rollplex.algo.rewards import compute_rewards
-from rollplex.config import Config, reward_weights
+from rollplex.algo.rewards import ACCURACY_REWARDS, add_temporal_bonus, compute_rewards
+from rollplex.config import Config, reward_weights, temporal_samples
 from rollplex.models.forward import merge_prefixes, prefix_forward, suffix_logprobs
 from rollplex.optim import MasterWeightAdamW
 from rollplex.rollout.engine import SamplingParams, generate
-from rollplex.types import PrefixState, Prompt, RolloutBatch, ScoredBatch
+from rollplex.types import PrefixState, Prompt, RolloutBatch, ScoredBatch, ShuffledAccuracy
 
 
 @dataclass
@@ -88,14 +89,43 @@ def rollout_phase(
     )
 
 
-def reward_phase(roles: Roles, rollout: RolloutBatch) -> ScoredBatch:
-    """Rewards of every response and group advantages (reference log-probs are filled in later)."""
+def uses_temporal(roles: Roles) -> bool:
+    """Whether T-GRPO's shuffled-frame rollout runs (``reward.temporal_alpha`` > 0)."""
+    return roles.config.reward.temporal_alpha > 0
+
+
+def temporal_phase(roles: Roles, rollout: RolloutBatch) -> ShuffledAccuracy:
+    """T-GRPO's shuffled-frame rollout (Video-R1, Feng et al. 2025; formats.md §1.4): M responses under θ_k
+    (``reward.temporal_samples``) for each group whose prompt has a shuffled twin (``Prompt.shuffled``),
+    scored with the run's first accuracy reward. Runs after the ordered rollout, so every schedule draws
+    from the sampling generator in the same order."""
+    cfg = roles.config
+    m = temporal_samples(cfg.reward, rollout.group_size)
+    groups = [g for g, prompt in enumerate(rollout.prompts) if prompt.shuffled is not None]
+    if not groups:
+        return ShuffledAccuracy([], torch.zeros(0, m))
+    twins = [rollout.prompts[g].shuffled for g in groups]
+    shuffled = rollout_phase(roles, twins, m, roles.sampling)
+    accuracy_name = next(name for name in cfg.reward.functions if name in ACCURACY_REWARDS)
+    records = [p.record for p in twins for _ in range(m)]
+    accuracy = compute_rewards(shuffled.texts, records, [accuracy_name]).accuracy
+    return ShuffledAccuracy(groups, accuracy.view(len(groups), m))
+
+
+def reward_phase(
+    roles: Roles, rollout: RolloutBatch, shuffled: ShuffledAccuracy | None = None
+) -> ScoredBatch:
+    """Rewards of every response, with T-GRPO's bonus when ``shuffled`` is given, and group advantages
+    (reference log-probs are filled in later)."""
     cfg = roles.config
     records = [p.record for p in rollout.prompts for _ in range(rollout.group_size)]
     rewards = compute_rewards(rollout.texts, records, list(cfg.reward.functions), reward_weights(cfg.reward))
+    if shuffled is not None:
+        alpha, mu = cfg.reward.temporal_alpha, cfg.reward.temporal_mu
+        rewards = add_temporal_bonus(rewards, shuffled, rollout.group_size, alpha, mu)
     advantages, zero_groups = group_advantages(rewards.total, rollout.group_size, cfg.algo.normalize_std)
     advantages = advantages.to(rollout.responses.device)
-    return ScoredBatch(rollout, rewards, advantages, zero_groups, ref_logprobs=None)
+    return ScoredBatch(rollout, rewards, advantages, zero_groups, ref_logprobs=None, shuffled=shuffled)
 
 
 def score(

@@ -74,6 +74,8 @@ class Prompt:
         second_per_grid_ts: float64 [n] seconds per temporal grid of each video.
         content_key: hex digest of the token ids and the actual pixel bytes; two prompts share
             prefix state only if their keys are equal.
+        shuffled: the same prompt with the video's sampled frames in a fixed random order (T-GRPO,
+            data.encode.shuffled_twin), or ``None`` (images, text, or T-GRPO off).
 
     Example:
         Prompt(record=r, input_ids=ids[P], position_ids=pos[3, P], next_position=12, ...)
@@ -89,6 +91,7 @@ class Prompt:
     pixel_values_videos: torch.Tensor | None = None
     video_grid_thw: torch.Tensor | None = None
     second_per_grid_ts: torch.Tensor | None = None
+    shuffled: Prompt | None = None
 
     @property
     def length(self) -> int:
@@ -210,6 +213,20 @@ class RewardResult:
 
 
 @dataclass
+class ShuffledAccuracy:
+    """Accuracies of T-GRPO's shuffled-frame rollout (Video-R1, Feng et al. 2025).
+
+    Fields:
+        groups: indices (into the rollout's G groups) of the groups that have a shuffled twin, ascending.
+        accuracy: float32 [len(groups), N], accuracy reward of each shuffled-frame response; these
+            responses set the bonus only and never enter the loss.
+    """
+
+    groups: list[int]
+    accuracy: torch.Tensor
+
+
+@dataclass
 class ScoredBatch:
     """A rollout batch with rewards, advantages and reference log-probs: the input of training.
 
@@ -219,6 +236,7 @@ class ScoredBatch:
         advantages: float32 [B], group advantages (one value per response).
         zero_variance_groups: number of groups whose rewards were all equal (advantage exactly 0).
         ref_logprobs: float32 [B, R] under the frozen reference, 0 at padding; None when KL is off.
+        shuffled: T-GRPO's shuffled-frame accuracies (None when T-GRPO is off).
     """
 
     rollout: RolloutBatch
@@ -226,6 +244,7 @@ class ScoredBatch:
     advantages: torch.Tensor
     zero_variance_groups: int
     ref_logprobs: torch.Tensor | None
+    shuffled: ShuffledAccuracy | None = None
 
 
 @dataclass

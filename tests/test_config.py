@@ -55,7 +55,13 @@ SPEC_DEFAULTS = {
         "normalize_std": True, "clip_low": 0.2, "clip_high": 0.28, "kl_coef": 0.04, "kl_estimator": "k3",
         "kl_log_ratio_bound": 20.0, "loss_agg": "token-mean", "mini_batches": 1, "micro_batch_groups": 1,
     },
-    "reward": {"functions": ["accuracy", "format"], "weights": []},
+    "reward": {
+        "functions": ["accuracy", "format"],
+        "weights": [],
+        "temporal_alpha": 0.0,
+        "temporal_mu": 1.0,
+        "temporal_samples": 0,
+    },
     "optim": {
         "lr": 1e-6, "weight_decay": 0.01, "beta1": 0.9, "beta2": 0.999, "eps": 1e-8, "max_grad_norm": 5.0,
         "warmup_steps": 0,
@@ -127,6 +133,8 @@ def test_int_is_accepted_for_float_and_converted():
         ("model.path=3", ["model.path", "str"]),
         ("reward.functions=accuracy", ["reward.functions", "list"]),
         ("reward.weights=[1, x]", ["reward.weights[1]", "float"]),
+        ("reward.temporal_alpha=-0.3", ["reward.temporal_alpha", "-0.3"]),
+        ("reward.temporal_samples=-1", ["reward.temporal_samples"]),
         ("rollout.grup_size=4", ["rollout.grup_size", "unknown"]),
         ("trainer.lr=1", ["trainer", "unknown"]),
         ("rollout=4", ["rollout", "mapping"]),
@@ -154,6 +162,10 @@ def test_invalid_values_name_the_field(override, needles):
         (["reward.functions=[]"], ["reward.functions"]),
         (["reward.functions=[nosuch]"], ["reward.functions", "'nosuch'", "built-in"]),
         (["reward.functions=[no.such_module:fn]"], ["reward.functions", "cannot be imported"]),
+        (
+            ["reward.functions=[format]", "reward.temporal_alpha=0.3"],
+            ["reward.temporal_alpha=0.3", "reward.functions=['format']", "accuracy"],
+        ),
     ],
 )
 def test_conflicts_name_both_fields(overrides, needles):

@@ -16,6 +16,7 @@ Also here: the T-GRPO temporal bonus (Video-R1, Feng et al. 2025; field case B14
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import importlib
 import logging
@@ -27,7 +28,7 @@ from typing import Any
 
 import torch
 
-from rollplex.types import Record, RewardResult
+from rollplex.types import Record, RewardResult, ShuffledAccuracy
 
 log = logging.getLogger(__name__)
 
@@ -463,3 +464,30 @@ def temporal_bonus(
     granted_G = ordered_acc.mean(dim=1) >= mu * shuffled_acc.mean(dim=1)
     eligible_GN = granted_G[:, None] & (ordered_acc > min_accuracy)
     return torch.where(eligible_GN, alpha, 0.0).to(ordered_acc.dtype)
+
+
+def add_temporal_bonus(
+    rewards: RewardResult, shuffled: ShuffledAccuracy, group_size: int, alpha: float, mu: float
+) -> RewardResult:
+    """``rewards`` with T-GRPO's bonus (``temporal_bonus``) of the groups in ``shuffled`` added to the total
+    and kept as ``per_function["temporal"]`` (float32 [B], 0 outside those groups); ``accuracy`` is left as
+    it was, so it stays the plain accuracy of the responses.
+
+    Args:
+        rewards: rewards of B = G·N ordered-frame responses (row b in group b // N).
+        shuffled: accuracies of the shuffled-frame responses of some groups.
+        group_size: N. alpha, mu: as in ``temporal_bonus`` (``reward.temporal_alpha``, ``temporal_mu``).
+
+    Raises:
+        ValueError: as ``temporal_bonus``; B not a multiple of N.
+    """
+    if rewards.total.numel() % group_size:
+        raise ValueError(f"{rewards.total.numel()} rewards do not split into groups of {group_size}")
+    bonus = torch.zeros_like(rewards.total)
+    if shuffled.groups:
+        ordered = rewards.accuracy.view(-1, group_size)[shuffled.groups]
+        bonus.view(-1, group_size)[shuffled.groups] = temporal_bonus(
+            ordered, shuffled.accuracy, alpha, mu
+        ).to(bonus.dtype)
+    per_function = {**rewards.per_function, "temporal": bonus}
+    return dataclasses.replace(rewards, total=rewards.total + bonus, per_function=per_function)

@@ -10,7 +10,7 @@ positions are computed by models.positions.
 from __future__ import annotations
 
 import hashlib
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -33,7 +33,9 @@ class PromptBuilder:
 
     Fields: processor (the checkpoint's ``Qwen2_5_VLProcessor``), template (data.prompts), data_root
     (media root), max_prompt_tokens (prompt budget; longer prompts are skipped whole, never cut through a
-    vision span — B06), video/image sampling rules, tokens (placeholder ids and geometry).
+    vision span — B06), video/image sampling rules, tokens (placeholder ids and geometry),
+    shuffled_twins (also build each video prompt's shuffled-frame twin, ``Prompt.shuffled``, for T-GRPO)
+    and seed (the run seed, which with the prompt's content fixes the twin's frame order).
     """
 
     processor: object
@@ -44,6 +46,8 @@ class PromptBuilder:
     image: ImageSampling
     tokens: VisionTokens
     temporal_patch_size: int = 2
+    shuffled_twins: bool = False
+    seed: int = 0
 
     def read_media(self, record: Record) -> VisualInput:
         """Decoded frames of the record's media. Raises SkipSample on unreadable media."""
@@ -64,7 +68,10 @@ class PromptBuilder:
         """
         visual = self.read_media(record)
         try:
-            return self.encode(record, visual)
+            prompt = self.encode(record, visual)
+            if self.shuffled_twins and visual.kind == "video":
+                prompt.shuffled = shuffled_twin(self, record, visual, prompt.content_key)
+            return prompt
         except SkipSample:
             raise
         except ValueError as err:  # processor or placeholder/grid mismatch (B06): skip, never crash
@@ -110,6 +117,33 @@ class PromptBuilder:
             video_grid_thw=video_grid,
             second_per_grid_ts=spg,
         )
+
+
+def frame_permutation(num_frames: int, key: str, seed: int) -> torch.Tensor:
+    """A random order of ``num_frames`` frames, fixed by the prompt's ``key`` (hex content key) and the run
+    ``seed``, and never the identity when there are 2 frames or more.
+
+    Video-R1's T-GRPO draws ``torch.randperm(T)`` afresh each step and may draw the identity; here the
+    order is a pure function of the inputs, so a prompt's twin can be cached and a resumed run sees the
+    same twins.
+
+    Returns:
+        int64 [num_frames].
+    """
+    generator = torch.Generator().manual_seed((int(key[:15], 16) + seed * 1_000_003) % 2**63)
+    identity = torch.arange(num_frames)
+    while True:
+        order = torch.randperm(num_frames, generator=generator)
+        if num_frames < 2 or not torch.equal(order, identity):
+            return order
+
+
+def shuffled_twin(builder: PromptBuilder, record: Record, visual: VisualInput, key: str) -> Prompt:
+    """``record``'s prompt with its sampled video frames reordered by ``frame_permutation`` (T-GRPO,
+    Video-R1 §3.2: the frames are shuffled before the processor, so temporal patches mix frames). Same
+    tokens, grid and positions as the ordered prompt; other pixels and content key."""
+    order = frame_permutation(int(visual.frames.shape[0]), key, builder.seed)
+    return builder.encode(record, replace(visual, frames=visual.frames[order]))
 
 
 def content_key(*tensors: torch.Tensor | None) -> str:

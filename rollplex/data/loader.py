@@ -120,4 +120,5 @@ class PromptSource:
 
 def _nbytes(prompt: Prompt) -> int:
     tensors = (prompt.input_ids, prompt.position_ids, prompt.pixel_values, prompt.pixel_values_videos)
-    return sum(t.numel() * t.element_size() for t in tensors if t is not None)
+    twin = _nbytes(prompt.shuffled) if prompt.shuffled is not None else 0
+    return twin + sum(t.numel() * t.element_size() for t in tensors if t is not None)

@@ -3,7 +3,8 @@
 Figures written to ``run_dir/report/`` (a figure whose keys are all missing is not written):
 
 - ``rewards.png``: ``reward_mean`` and each ``reward/<fn>`` vs step.
-- ``accuracy.png``: training ``accuracy`` and held-out ``val_accuracy`` vs step, ``chance_accuracy`` dashed.
+- ``accuracy.png``: training ``accuracy`` and held-out ``val_accuracy`` vs step, ``chance_accuracy`` dashed
+  (with T-GRPO also ``temporal/ordered_accuracy`` and ``temporal/shuffled_accuracy``, dotted).
 - ``step_time.png``: stacked bars of the ``time/<phase>`` seconds of every step (plus ``other`` =
   ``time/step`` minus the phases, when positive), and the mean breakdown over steps. On steps whose
   Phase-1 prefixes overlapped decode, ``rollout`` and ``prefix`` are replaced by the Phase-1 makespan
@@ -164,7 +165,8 @@ def rewards_figure(rows: Sequence[dict]) -> Figure | None:
 
 
 def accuracy_figure(rows: Sequence[dict]) -> Figure | None:
-    """Train and held-out accuracy vs step, chance dashed (8×4.5 in); None without either accuracy."""
+    """Train and held-out accuracy vs step, chance dashed, and with T-GRPO the video groups' accuracy on
+    ordered and on shuffled frames, dotted (8×4.5 in); None without either accuracy."""
     if not (series(rows, "accuracy")[0] or series(rows, "val_accuracy")[0]):
         return None
     fig = Figure(figsize=(8, 4.5))
@@ -172,6 +174,8 @@ def accuracy_figure(rows: Sequence[dict]) -> Figure | None:
     styles = (
         ("accuracy", {"label": "train accuracy"}),
         ("val_accuracy", {"label": "held-out", "marker": "o"}),
+        ("temporal/ordered_accuracy", {"label": "T-GRPO video groups, ordered frames", "linestyle": ":"}),
+        ("temporal/shuffled_accuracy", {"label": "T-GRPO video groups, shuffled frames", "linestyle": ":"}),
     )
     for key, style in styles:
         if series(rows, key)[0]:
@@ -184,7 +188,18 @@ def accuracy_figure(rows: Sequence[dict]) -> Figure | None:
     return fig
 
 
-PHASES = ("data", "rollout", "prefix", "rewards", "reference", "actor", "optimizer", "phase1", "other")
+PHASES = (
+    "data",
+    "rollout",
+    "prefix",
+    "rewards",
+    "reference",
+    "actor",
+    "optimizer",
+    "phase1",
+    "other",
+    "temporal",
+)
 
 
 def phase_colour(name: str) -> str:

@@ -6,6 +6,7 @@
              concurrently (``run.overlap``, schedule.concurrency): reference prefix (detached) and actor
              prefix (attached) once per group under θ_k, on a worker thread and its own CUDA stream,
              started once the decode step is captured
+             (T-GRPO: then the shuffled-frame rollout, after decode and the prefixes, as in serial)
     Phase 2  rewards → advantages; reference suffix scoring against the kept reference boundary;
              actor suffix + backward through the kept actor boundary into prefix, merger and vision
     Phase 3  optimizer step → θ_{k+1}
@@ -51,6 +52,7 @@ from rollplex.schedule.concurrency import (
     stream_sync,
 )
 from rollplex.schedule.eq1 import Standalone, phase1_terms
+from rollplex.schedule.serial import shuffled_rollout
 from rollplex.types import PrefixState, Prompt, RolloutBatch, ScoredBatch
 
 log = logging.getLogger(__name__)
@@ -269,9 +271,10 @@ class RollplexSchedule:
         cfg = roles.config
         policy = self._next_policy()
         first = phase1(roles, prompts, timer, policy)
+        shuffled = shuffled_rollout(roles, first.rollout, timer)
         post_start = timer.now()
         with timer.phase("rewards"):
-            scored = reward_phase(roles, first.rollout)
+            scored = reward_phase(roles, first.rollout, shuffled)
         with timer.phase("reference"):
             scored = reference_phase(roles, scored, prefix=first.reference)
         with timer.phase("actor"), cross_stream_backward():

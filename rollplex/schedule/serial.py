@@ -1,6 +1,7 @@
 """The serial schedule (the paper's "Colocate" baseline): phases one after another on one stream.
 
-    rollout → rewards → reference → actor forward/backward → optimizer   (per mini-batch: actor, optimizer)
+    rollout → [temporal] → rewards → reference → actor forward/backward → optimizer
+                                                              (per mini-batch: actor, optimizer)
 
 Barriers hold trivially: θ_k is only written by the optimizer phase, after every reader of θ_k in this
 step (rollout, old log-probs, actor backward of the mini-batch) has finished.
@@ -16,8 +17,10 @@ from rollplex.phases import (
     reference_phase,
     reward_phase,
     rollout_phase,
+    temporal_phase,
+    uses_temporal,
 )
-from rollplex.types import Prompt, ScoredBatch
+from rollplex.types import Prompt, RolloutBatch, ScoredBatch, ShuffledAccuracy
 
 
 def mini_batches(num_groups: int, count: int) -> list[list[int]]:
@@ -25,6 +28,15 @@ def mini_batches(num_groups: int, count: int) -> list[list[int]]:
     count = max(1, min(count, num_groups))
     bounds = [round(i * num_groups / count) for i in range(count + 1)]
     return [list(range(bounds[i], bounds[i + 1])) for i in range(count)]
+
+
+def shuffled_rollout(roles: Roles, rollout: RolloutBatch, timer) -> ShuffledAccuracy | None:
+    """T-GRPO's shuffled-frame rollout as the "temporal" phase, right after the ordered rollout in every
+    schedule (None when T-GRPO is off)."""
+    if not uses_temporal(roles):
+        return None
+    with timer.phase("temporal"):
+        return temporal_phase(roles, rollout)
 
 
 def serial_step(
@@ -36,9 +48,10 @@ def serial_step(
     cfg = roles.config
     with timer.phase("rollout"):
         rollout = rollout_phase(roles, prompts, cfg.rollout.group_size, roles.sampling)
+    shuffled = shuffled_rollout(roles, rollout, timer)
     post_start = timer.now()
     with timer.phase("rewards"):
-        scored = reward_phase(roles, rollout)
+        scored = reward_phase(roles, rollout, shuffled)
     with timer.phase("reference"):
         scored = reference_phase(roles, scored)
     with timer.phase("actor"):

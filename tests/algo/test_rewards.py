@@ -8,6 +8,7 @@ import torch
 
 from rollplex.algo.rewards import (
     accuracy_reward,
+    add_temporal_bonus,
     answer_accuracy_reward,
     answer_format_reward,
     answer_lead_reward,
@@ -20,7 +21,7 @@ from rollplex.algo.rewards import (
     temporal_bonus,
     word_error_rate,
 )
-from rollplex.types import Record
+from rollplex.types import Record, RewardResult, ShuffledAccuracy
 
 
 def _record(problem_type: str, gold: str, solution: str | None = None) -> Record:
@@ -338,3 +339,26 @@ def test_temporal_bonus_bad_shapes():
         temporal_bonus(torch.zeros(2, 4), torch.zeros(3, 4), 0.3, 1.0)
     with pytest.raises(ValueError, match="mu"):
         temporal_bonus(torch.zeros(1, 4), torch.zeros(1, 4), 0.3, -1.0)
+
+
+def test_bonus_lands_on_the_groups_with_twins_only():
+    """B14's two questions as groups 0 and 2 of a batch of 3 (group 1, an image, has no shuffled twin):
+    total = accuracy + format + bonus, hand-computed; accuracy itself is unchanged."""
+    accuracy = torch.cat([B14_ORDERED[0], torch.ones(4), B14_ORDERED[1]])
+    fmt = torch.tensor([1.0, 0.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 0.0, 0.0, 1.0, 1.0])
+    rewards = RewardResult(accuracy + fmt, {"accuracy": accuracy, "format": fmt}, accuracy, fmt)
+    out = add_temporal_bonus(rewards, ShuffledAccuracy([0, 2], B14_SHUFFLED), 4, alpha=0.3, mu=1.0)
+    expected_bonus = [0.3, 0.3, 0.3, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0]
+    assert out.per_function["temporal"].tolist() == pytest.approx(expected_bonus)
+    expected_total = [2.3, 1.3, 2.3, 1.0, 2.0, 2.0, 2.0, 2.0, 0.0, 0.0, 1.0, 1.0]
+    assert out.total.tolist() == pytest.approx(expected_total)
+    assert torch.equal(out.accuracy, accuracy) and torch.equal(rewards.total, accuracy + fmt)
+
+
+def test_bonus_without_twins_is_zero_and_rows_must_split_into_groups():
+    acc = torch.ones(4)
+    rewards = RewardResult(acc, {"accuracy": acc}, acc, torch.zeros(4))
+    out = add_temporal_bonus(rewards, ShuffledAccuracy([], torch.zeros(0, 1)), 2, alpha=0.3, mu=1.0)
+    assert torch.equal(out.total, acc) and out.per_function["temporal"].tolist() == [0.0] * 4
+    with pytest.raises(ValueError, match="groups of 3"):
+        add_temporal_bonus(rewards, ShuffledAccuracy([], torch.zeros(0, 1)), 3, alpha=0.3, mu=1.0)

@@ -3,12 +3,14 @@ over-long prompts rejected whole (B06), content keys that tell different pixels 
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
 import torch
 
-from rollplex.data.encode import PromptBuilder, SkipSample
+from rollplex.data.encode import PromptBuilder, SkipSample, frame_permutation
+from rollplex.data.prompts import chat_messages
 from rollplex.data.vision import ImageSampling, VideoSampling
 from rollplex.models.positions import VisionTokens
 from rollplex.models.presets import preset_config
@@ -80,3 +82,60 @@ def test_over_long_prompt_is_rejected_whole(builder):
     )
     with pytest.raises(SkipSample, match=r"needs \d+ tokens.*max_prompt_tokens=20"):
         short.encode(_record(), VisualInput("video", _frames(8, 5), 2.0))
+
+
+# ---------------------------------------------------------------- T-GRPO shuffled-frame twins
+
+
+@pytest.mark.parametrize("frames", [2, 3, 8, 16])
+def test_frame_permutation_is_a_fixed_non_identity_order(frames):
+    key = "9f" * 32
+    order = frame_permutation(frames, key, seed=0)
+    assert sorted(order.tolist()) == list(range(frames)) and order.tolist() != list(range(frames))
+    assert torch.equal(order, frame_permutation(frames, key, seed=0))
+    others = {tuple(frame_permutation(frames, key, seed=s).tolist()) for s in range(1, 8)}
+    assert frames == 2 or len(others) > 1  # the seed moves the order (2 frames have one non-identity order)
+
+
+def _slot_values(prompt, grid_hw: int) -> list[int]:
+    """Channel 0's value of each temporal slot (frame position) in the first pixel row of every temporal
+    grid: a row is [channel, temporal slot, 14, 14] (Qwen2-VL patch layout)."""
+    rows = prompt.pixel_values_videos[::grid_hw]
+    return [round(float(v) * 1000) for row in rows for v in (row[0], row[196])]
+
+
+def test_shuffled_twin_holds_the_frames_in_the_permuted_order(builder, monkeypatch):
+    """Frames of one flat value each: the twin's temporal slot k holds ordered frame order[k] (read off
+    the patch rows); tokens and positions are the ordered prompt's; the twin equals the processor's own
+    output on the permuted frames."""
+    frames = torch.stack([torch.full((3, 56, 56), 20 + 30 * i, dtype=torch.uint8) for i in range(6)])
+    visual = VisualInput("video", frames, 2.0)
+    monkeypatch.setattr(PromptBuilder, "read_media", lambda self, record: visual)
+    twins = dataclasses.replace(builder, shuffled_twins=True, seed=3)
+    prompt = twins.build(_record())
+    twin = prompt.shuffled
+    order = frame_permutation(6, prompt.content_key, seed=3)
+    hw = int(prompt.video_grid_thw[0, 1] * prompt.video_grid_thw[0, 2])
+    ordered_slots, twin_slots = _slot_values(prompt, hw), _slot_values(twin, hw)
+    assert len(set(ordered_slots)) == 6
+    assert twin_slots == [ordered_slots[i] for i in order.tolist()]
+    assert torch.equal(twin.input_ids, prompt.input_ids) and torch.equal(
+        twin.position_ids, prompt.position_ids
+    )
+    assert twin.content_key != prompt.content_key and twin.shuffled is None
+    text = builder.processor.apply_chat_template(
+        chat_messages(_record(), "video_r1"), tokenize=False, add_generation_prompt=True
+    )
+    direct = builder.processor(
+        text=[text], videos=[frames[order]], do_resize=False, do_sample_frames=False, return_tensors="pt"
+    )
+    assert torch.equal(twin.pixel_values_videos, direct["pixel_values_videos"])
+
+
+def test_no_twin_for_images_or_when_off(builder, monkeypatch):
+    image = VisualInput("image", _frames(1, 2, size=112), None)
+    monkeypatch.setattr(PromptBuilder, "read_media", lambda self, record: image)
+    assert dataclasses.replace(builder, shuffled_twins=True).build(_record("image")).shuffled is None
+    video = VisualInput("video", _frames(4, 3), 2.0)
+    monkeypatch.setattr(PromptBuilder, "read_media", lambda self, record: video)
+    assert builder.build(_record()).shuffled is None

@@ -31,13 +31,24 @@ def test_schedules_give_identical_parameters(assets, tmp_path):  # noqa: F811
     for name, extra in SCHEDULES.items():
         overrides = {"algo.kl_coef": 0.05, "eval.every": 0, "run.device": "cpu", **extra}
         runs[name] = train(_config(assets, tmp_path / name, 3, **overrides))
+    metrics = assert_same_update(runs)
+    assert any(r.get("kl", 0) > 0 for r in metrics["serial"])  # the reference path really ran
+
+
+def untimed(row: dict) -> dict:
+    """A metrics row without its timings (``TIMING`` prefixes)."""
+    return {k: v for k, v in row.items() if not k.startswith(TIMING)}
+
+
+def assert_same_update(runs: dict) -> dict[str, list[dict]]:
+    """Every run folder of ``runs`` (name -> folder) ends with the "serial" run's weights, bitwise, and
+    wrote its metrics but timings; returns those untimed metric rows per run."""
     weights = {name: _weights(run) for name, run in runs.items()}
-    strip = lambda row: {k: v for k, v in row.items() if not k.startswith(TIMING)}  # noqa: E731
-    metrics = {name: [strip(r) for r in _metrics(run)] for name, run in runs.items()}
-    for name in SCHEDULES:
+    metrics = {name: [untimed(r) for r in _metrics(run)] for name, run in runs.items()}
+    for name in runs:
         assert all(torch.equal(weights["serial"][k], weights[name][k]) for k in weights["serial"]), name
         assert metrics["serial"] == metrics[name], name
-    assert any(r.get("kl", 0) > 0 for r in metrics["serial"])  # the reference path really ran
+    return metrics
 
 
 class _Recorder:
@@ -115,12 +126,18 @@ def test_barriers(assets, tmp_path, device):  # noqa: F811
         cfg = _config(
             assets, tmp_path / name, 2, **{"algo.kl_coef": 0.05, "run.device": device, **SCHEDULES[name]}
         )
-        run = build_run(cfg)
-        step = make_step(cfg, run.device)
-        step(run.roles, run.train.next_batch(), PhaseTimer())  # the rollplex calibration step
-        recorder = _Recorder(run.roles.actor.model.language_model)
-        step(run.roles, run.train.next_batch(), recorder)
-        _check_barriers(recorder.events, order)
+        _check_barriers(second_step_events(cfg), order)
+
+
+def second_step_events(cfg) -> list[tuple[str, str, int]]:
+    """The recorded events (phase starts and ends, actor forwards, with θ's version) of the second step
+    of a run of ``cfg`` (the first is the rollplex schedule's calibration step)."""
+    run = build_run(cfg)
+    step = make_step(cfg, run.device)
+    step(run.roles, run.train.next_batch(), PhaseTimer())
+    recorder = _Recorder(run.roles.actor.model.language_model)
+    step(run.roles, run.train.next_batch(), recorder)
+    return recorder.events
 
 
 @pytest.mark.skipif(

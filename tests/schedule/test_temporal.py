@@ -1,0 +1,145 @@
+"""T-GRPO in the loop (Video-R1; field case B14): each video group's shuffled-frame twin is sampled M times
+after the ordered rollout, the bonus follows the per-group rule, every schedule gives the same update,
+the barriers hold, and a resumed run is bit-for-bit."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import rollplex.phases as phases
+from rollplex.algo import rewards as reward_module
+from rollplex.algo.rewards import Score
+from rollplex.loop import build_run, train
+from rollplex.observe.metrics import PhaseTimer
+from rollplex.schedule import make_step
+from tests.schedule.test_same_update import (
+    SCHEDULES,
+    _check_barriers,
+    assert_same_update,
+    second_step_events,
+    untimed,
+)
+from tests.test_loop import _config, _metrics, _weights, assets  # noqa: F401  (fixture)
+
+ALPHA, MU = 0.3, 1.0
+TEMPORAL = {
+    "reward.temporal_alpha": ALPHA,
+    "reward.temporal_mu": MU,
+    "rollout.group_size": 4,  # M = N / 2 = 2 shuffled-frame responses per group
+    "algo.kl_coef": 0.05,
+    "eval.every": 0,
+    "run.device": "cpu",
+}
+
+
+@pytest.fixture
+def varied_accuracy(monkeypatch):
+    """The tiny model answers at random, so its accuracy is almost always 0 and no bonus would be granted:
+    score answers by their characters instead, so groups differ and both outcomes occur."""
+    scorer = lambda completion, record: Score(float(sum(map(ord, completion)) % 3 == 0))  # noqa: E731
+    monkeypatch.setitem(reward_module._BUILTIN_SCORERS, "answer_accuracy", scorer)
+
+
+def _rule(ordered: list[list[float]], shuffled: list[list[float]]) -> list[list[float]]:
+    """The bonus written out (formats.md §1.4 with μ explicit): alpha for each ordered response above 0.1
+    in a group whose mean ordered accuracy is >= μ × its mean shuffled accuracy."""
+    out = []
+    for acc, twin in zip(ordered, shuffled, strict=True):
+        granted = sum(acc) / len(acc) >= MU * sum(twin) / len(twin)
+        out.append([ALPHA if granted and a > 0.1 else 0.0 for a in acc])
+    return out
+
+
+def test_the_bonus_follows_the_rule_on_the_shuffled_rollout(assets, tmp_path, monkeypatch, varied_accuracy):  # noqa: F811
+    """Serial steps: the second rollout samples each group's twin M = 2 times; the bonus equals the rule
+    applied to the observed accuracies; total = accuracy + format + bonus; both outcomes occur."""
+    calls = []
+    real = phases.generate  # every rollout of every schedule samples through phases.generate
+
+    def recording(model, prompts, prefix, *, group_size, **kwargs):
+        calls.append((prompts, group_size))
+        return real(model, prompts, prefix, group_size=group_size, **kwargs)
+
+    monkeypatch.setattr(phases, "generate", recording)
+    cfg = _config(assets, tmp_path / "run", 4, **TEMPORAL)
+    run = build_run(cfg)
+    step = make_step(cfg, run.device)
+    granted = []
+    for _ in range(4):
+        calls.clear()
+        prompts = run.train.next_batch()
+        scored = step(run.roles, prompts, PhaseTimer())[0]
+        ordered_prompts, twins = calls[0][0], calls[1][0]
+        assert [calls[0][1], calls[1][1]] == [4, 2]
+        assert twins == [p.shuffled for p in ordered_prompts] and all(t is not None for t in twins)
+        shuffled = scored.shuffled
+        assert shuffled.groups == [0, 1] and shuffled.accuracy.shape == (2, 2)
+        accuracy = scored.rewards.accuracy.view(2, 4)
+        expected = _rule(accuracy.tolist(), shuffled.accuracy.tolist())
+        bonus = scored.rewards.per_function["temporal"].view(2, 4)
+        assert torch.allclose(bonus, torch.tensor(expected))
+        fmt = scored.rewards.per_function["answer_format"].view(2, 4)
+        assert torch.allclose(scored.rewards.total.view(2, 4), accuracy + fmt + bonus)
+        granted += [any(row) for row in expected]
+    assert any(granted) and not all(granted)
+
+
+def test_every_schedule_gives_the_same_update(assets, tmp_path, varied_accuracy):  # noqa: F811
+    """3 steps with T-GRPO on: serial, overlapped rollplex with and without prefill fusion, and auto end
+    with bitwise equal weights and metrics; the T-GRPO metrics are recorded."""
+    runs = {}
+    for name in ("serial", "rollplex", "fused", "auto"):
+        runs[name] = train(_config(assets, tmp_path / name, 3, **TEMPORAL, **SCHEDULES[name]))
+    metrics = assert_same_update(runs)
+    rows = [r for r in metrics["serial"] if "loss" in r]
+    assert all(r["temporal/video_groups"] == 2.0 for r in rows)
+    assert all(
+        {
+            "temporal/ordered_accuracy",
+            "temporal/shuffled_accuracy",
+            "temporal/bonus_groups",
+            "reward/temporal",
+        }
+        <= r.keys()
+        for r in rows
+    )
+    assert all("time/temporal" in r for r in _metrics(runs["serial"]) if "loss" in r)
+
+
+def test_barriers_hold_with_the_shuffled_rollout(assets, tmp_path):  # noqa: F811
+    """The shuffled rollout reads θ_k after the ordered one and before rewards; nothing writes θ_k before
+    the optimizer."""
+    for name, order in (
+        ("serial", ["rollout", "temporal", "rewards", "reference", "actor", "actor", "optimizer"]),
+        ("rollplex", ["temporal", "rewards", "reference", "actor", "optimizer"]),  # Phase 1 on two threads
+    ):
+        events = second_step_events(_config(assets, tmp_path / name, 2, **TEMPORAL, **SCHEDULES[name]))
+        _check_barriers(events, order)
+        temporal_forwards = [e for e in events if e[0] == "forward" and e[1] == "temporal"]
+        assert temporal_forwards, name  # the twins really ran through the actor
+
+
+def test_resume_is_bit_for_bit(assets, tmp_path, varied_accuracy):  # noqa: F811
+    """2 steps == 1 step + resume + 1 step with T-GRPO on (the twins' frame order is fixed by content and
+    seed, the sampler's state is in the checkpoint)."""
+    extra = {**TEMPORAL, "run.save_every": 1, "eval.every": 1}
+    straight = train(_config(assets, tmp_path / "straight", 2, **extra))
+    split = train(_config(assets, tmp_path / "split", 1, **extra))
+    train(_config(assets, split, 2, **extra), resume=True)
+    a, b = _weights(straight), _weights(split)
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert [untimed(r) for r in _metrics(straight)] == [untimed(r) for r in _metrics(split)]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_overlap_gives_identical_parameters_on_gpu(assets, tmp_path, varied_accuracy):  # noqa: F811
+    """On CUDA (bf16, captured decode steps) the shuffled-frame rollout is a second rollout of the step with
+    its own group size: the overlapped rollplex schedule still ends with serial's weights, bitwise."""
+    runs = {}
+    for name in ("serial", "rollplex"):
+        extra = {**TEMPORAL, "run.device": "cuda", **SCHEDULES[name]}
+        runs[name] = train(_config(assets, tmp_path / name, 3, **extra))
+    serial, rollplex = _weights(runs["serial"]), _weights(runs["rollplex"])
+    assert all(torch.equal(serial[k], rollplex[k]) for k in serial)  # peak memory differs, so no metrics
