@@ -21,6 +21,7 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+import logging
 import re
 import typing
 from dataclasses import dataclass, field
@@ -28,6 +29,8 @@ from pathlib import Path
 from typing import Any
 
 import yaml
+
+log = logging.getLogger("rollplex")
 
 
 class ConfigError(ValueError):
@@ -238,8 +241,8 @@ class RewardConfig:
     )
     temporal_alpha: float = _field(
         0.0,
-        "T-GRPO bonus (Video-R1) added to the total reward of eligible responses of video groups, which "
-        "costs one shuffled-frame rollout per video group; 0 = off (Video-R1 uses 0.3)",
+        "T-GRPO bonus (Video-R1) added to the accuracy reward of eligible responses of video groups, "
+        "which costs one shuffled-frame rollout per video group; 0 = off (Video-R1 uses 0.3)",
         ge=0.0,
     )
     temporal_mu: float = _field(
@@ -522,7 +525,7 @@ def validate_for_training(cfg: Config) -> None:
 
     Raises ``ConfigError`` when ``model.path`` is empty or not a folder, ``data.train_path`` is empty or
     not a file, ``data.val_path``/``data.data_root`` are set but missing, or ``eval.every > 0`` without
-    ``data.val_path``.
+    ``data.val_path``. Logs a warning for T-GRPO settings that take no effect (``reward.temporal_alpha`` 0).
     """
     required = (
         ("model.path", cfg.model.path, Path.is_dir),
@@ -544,6 +547,14 @@ def validate_for_training(cfg: Config) -> None:
         raise _conflict(
             "eval.every", cfg.eval.every, "data.val_path", "", "evaluation needs held-out records"
         )
+    ignored = [f"reward.{name}" for name in ("temporal_mu", "temporal_samples") if _ignored(cfg.reward, name)]
+    if ignored:
+        log.warning("%s set, but T-GRPO is off (reward.temporal_alpha=0): ignored", ", ".join(ignored))
+
+
+def _ignored(reward: RewardConfig, name: str) -> bool:
+    """Whether T-GRPO field ``name`` differs from its default while T-GRPO is off."""
+    return reward.temporal_alpha == 0 and getattr(reward, name) != getattr(RewardConfig(), name)
 
 
 def data_root(cfg: DataConfig) -> Path:

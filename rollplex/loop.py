@@ -42,7 +42,7 @@ from rollplex.models.forward import enable_checkpointing, prepare_model
 from rollplex.models.positions import VisionTokens
 from rollplex.observe.metrics import MetricsWriter, PhaseTimer, ProgressBar, write_chrome_trace
 from rollplex.optim import MasterWeightAdamW, learning_rate
-from rollplex.phases import ActorStats, Roles, rollout_phase
+from rollplex.phases import ActorStats, Roles, rollout_phase, uses_temporal
 from rollplex.rollout.engine import SamplingParams
 from rollplex.schedule import make_step
 from rollplex.types import ScoredBatch
@@ -161,7 +161,7 @@ def build_run(cfg: Config) -> Run:
         processor,
         actor,
         cfg.data.shuffle,
-        shuffled_twins=cfg.reward.temporal_alpha > 0,
+        shuffled_twins=uses_temporal(roles),
     )
     val_source = None
     if cfg.data.val_path:
@@ -233,19 +233,23 @@ def step_metrics(scored: ScoredBatch, stats: list[ActorStats], norms: list[float
 
 
 def temporal_metrics(scored: ScoredBatch) -> dict[str, float]:
-    """T-GRPO's scalars (none when it is off): video groups in the batch, the mean accuracy of their
-    ordered and shuffled-frame responses, and the fraction of those groups given the bonus."""
+    """T-GRPO's scalars (none when it is off): video groups in the batch, flagged shuffled-frame responses,
+    the mean accuracy of the groups' ordered and shuffled-frame responses, and the fraction of those groups
+    given the bonus."""
     shuffled = scored.shuffled
     if shuffled is None:
         return {}
-    out = {"temporal/video_groups": float(len(shuffled.groups))}
+    out = {
+        "temporal/video_groups": float(len(shuffled.groups)),
+        "temporal/reward_errors": float(shuffled.errors),
+    }
     if shuffled.groups:
         n = scored.rollout.group_size
         ordered = scored.rewards.accuracy.view(-1, n)[shuffled.groups]
         bonus = scored.rewards.per_function["temporal"].view(-1, n)[shuffled.groups]
         out["temporal/ordered_accuracy"] = float(ordered.mean())
         out["temporal/shuffled_accuracy"] = float(shuffled.accuracy.mean())
-        out["temporal/bonus_groups"] = float((bonus > 0).any(dim=1).float().mean())
+        out["temporal/bonus_group_fraction"] = float((bonus > 0).any(dim=1).float().mean())
     return out
 
 

@@ -106,10 +106,14 @@ def temporal_phase(roles: Roles, rollout: RolloutBatch) -> ShuffledAccuracy:
         return ShuffledAccuracy([], torch.zeros(0, m))
     twins = [rollout.prompts[g].shuffled for g in groups]
     shuffled = rollout_phase(roles, twins, m, roles.sampling)
-    accuracy_name = next(name for name in cfg.reward.functions if name in ACCURACY_REWARDS)
     records = [p.record for p in twins for _ in range(m)]
-    accuracy = compute_rewards(shuffled.texts, records, [accuracy_name]).accuracy
-    return ShuffledAccuracy(groups, accuracy.view(len(groups), m))
+    rewards = compute_rewards(shuffled.texts, records, [accuracy_reward_name(cfg)])
+    return ShuffledAccuracy(groups, rewards.accuracy.view(len(groups), m), rewards.errors)
+
+
+def accuracy_reward_name(cfg: Config) -> str:
+    """The run's first accuracy-type reward function (the one ``RewardResult.accuracy`` holds)."""
+    return next(name for name in cfg.reward.functions if name in ACCURACY_REWARDS)
 
 
 def reward_phase(
@@ -122,7 +126,8 @@ def reward_phase(
     rewards = compute_rewards(rollout.texts, records, list(cfg.reward.functions), reward_weights(cfg.reward))
     if shuffled is not None:
         alpha, mu = cfg.reward.temporal_alpha, cfg.reward.temporal_mu
-        rewards = add_temporal_bonus(rewards, shuffled, rollout.group_size, alpha, mu)
+        weight = reward_weights(cfg.reward)[cfg.reward.functions.index(accuracy_reward_name(cfg))]
+        rewards = add_temporal_bonus(rewards, shuffled, rollout.group_size, alpha, mu, weight)
     advantages, zero_groups = group_advantages(rewards.total, rollout.group_size, cfg.algo.normalize_std)
     advantages = advantages.to(rollout.responses.device)
     return ScoredBatch(rollout, rewards, advantages, zero_groups, ref_logprobs=None, shuffled=shuffled)

@@ -218,12 +218,17 @@ class ShuffledAccuracy:
 
     Fields:
         groups: indices (into the rollout's G groups) of the groups that have a shuffled twin, ascending.
-        accuracy: float32 [len(groups), N], accuracy reward of each shuffled-frame response; these
-            responses set the bonus only and never enter the loss.
+        accuracy: float32 [len(groups), M], accuracy reward of each of the M shuffled-frame responses of
+            those groups; these responses set the bonus only and never enter the loss.
+        errors: number of shuffled-frame responses whose accuracy reward flagged a problem.
+
+    Example:
+        ShuffledAccuracy(groups=[0, 2], accuracy=torch.tensor([[1.0, 0.0], [0.0, 0.0]]), errors=0)
     """
 
     groups: list[int]
     accuracy: torch.Tensor
+    errors: int = 0
 
 
 @dataclass

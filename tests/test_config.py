@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import logging
 
 import pytest
 import torch
@@ -135,6 +136,7 @@ def test_int_is_accepted_for_float_and_converted():
         ("reward.weights=[1, x]", ["reward.weights[1]", "float"]),
         ("reward.temporal_alpha=-0.3", ["reward.temporal_alpha", "-0.3"]),
         ("reward.temporal_samples=-1", ["reward.temporal_samples"]),
+        ("reward.temporal_mu=-1", ["reward.temporal_mu"]),
         ("rollout.grup_size=4", ["rollout.grup_size", "unknown"]),
         ("trainer.lr=1", ["trainer", "unknown"]),
         ("rollout=4", ["rollout", "mapping"]),
@@ -249,6 +251,22 @@ def test_validate_for_training(tmp_path):
         validate_for_training(load_config(None, [*ok, f"data.val_path={tmp_path / 'val.jsonl'}"]))
     with pytest.raises(ConfigError, match=r"eval\.every=5 conflicts with data\.val_path=''"):
         validate_for_training(load_config(None, [*ok, "eval.every=5"]))
+
+
+def test_t_grpo_settings_without_alpha_are_reported(tmp_path, caplog):
+    """T-GRPO's threshold and sample count take no effect while reward.temporal_alpha is 0: one warning
+    names them; with alpha set, or at their defaults, nothing is logged."""
+    (tmp_path / "model").mkdir()
+    (tmp_path / "train.jsonl").write_text("")
+    ok = [f"model.path={tmp_path / 'model'}", f"data.train_path={tmp_path / 'train.jsonl'}"]
+    with caplog.at_level(logging.WARNING, logger="rollplex"):
+        validate_for_training(load_config(None, [*ok, "reward.temporal_mu=0.8", "reward.temporal_samples=4"]))
+    assert "reward.temporal_mu, reward.temporal_samples set, but T-GRPO is off" in caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="rollplex"):
+        validate_for_training(load_config(None, ok))
+        validate_for_training(load_config(None, [*ok, "reward.temporal_alpha=0.3", "reward.temporal_mu=0.8"]))
+    assert caplog.text == ""
 
 
 def test_data_root_defaults_to_folder_of_train_path(tmp_path):

@@ -467,16 +467,23 @@ def temporal_bonus(
 
 
 def add_temporal_bonus(
-    rewards: RewardResult, shuffled: ShuffledAccuracy, group_size: int, alpha: float, mu: float
+    rewards: RewardResult,
+    shuffled: ShuffledAccuracy,
+    group_size: int,
+    alpha: float,
+    mu: float,
+    weight: float = 1.0,
 ) -> RewardResult:
-    """``rewards`` with T-GRPO's bonus (``temporal_bonus``) of the groups in ``shuffled`` added to the total
-    and kept as ``per_function["temporal"]`` (float32 [B], 0 outside those groups); ``accuracy`` is left as
-    it was, so it stays the plain accuracy of the responses.
+    """``rewards`` with T-GRPO's bonus (``temporal_bonus``) of the groups in ``shuffled``, kept as
+    ``per_function["temporal"]`` (float32 [B], 0 outside those groups) and added to the total times
+    ``weight``, the accuracy reward's weight: Video-R1 adds the bonus to the accuracy reward (formats.md
+    §1.4). ``accuracy`` is left as it was, so it stays the plain accuracy of the responses.
 
     Args:
         rewards: rewards of B = G·N ordered-frame responses (row b in group b // N).
         shuffled: accuracies of the shuffled-frame responses of some groups.
         group_size: N. alpha, mu: as in ``temporal_bonus`` (``reward.temporal_alpha``, ``temporal_mu``).
+        weight: weight of the accuracy reward in the total (``reward.weights``; 1.0 by default).
 
     Raises:
         ValueError: as ``temporal_bonus``; B not a multiple of N.
@@ -490,4 +497,4 @@ def add_temporal_bonus(
             ordered, shuffled.accuracy, alpha, mu
         ).to(bonus.dtype)
     per_function = {**rewards.per_function, "temporal": bonus}
-    return dataclasses.replace(rewards, total=rewards.total + bonus, per_function=per_function)
+    return dataclasses.replace(rewards, total=rewards.total + weight * bonus, per_function=per_function)

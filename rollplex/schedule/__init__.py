@@ -7,6 +7,8 @@ from collections.abc import Callable
 import torch
 
 from rollplex.config import Config
+from rollplex.phases import Roles, temporal_phase, uses_temporal
+from rollplex.types import RolloutBatch, ShuffledAccuracy
 
 
 def make_step(cfg: Config, device: torch.device) -> Callable:
@@ -16,3 +18,13 @@ def make_step(cfg: Config, device: torch.device) -> Callable:
     from rollplex.schedule.serial import serial_step
 
     return serial_step if cfg.run.schedule == "serial" else RollplexSchedule(cfg, device)
+
+
+def shuffled_rollout(roles: Roles, rollout: RolloutBatch, timer) -> ShuffledAccuracy | None:
+    """T-GRPO's shuffled-frame rollout as the "temporal" phase, right after the ordered rollout (and, in
+    the rollplex schedule, after Phase 1 has joined) in every schedule; None when T-GRPO is off. Its time
+    is ``time/temporal`` and enters none of Eq. 1's terms (``eq1/*``, ``eq1/T_post`` included)."""
+    if not uses_temporal(roles):
+        return None
+    with timer.phase("temporal"):
+        return temporal_phase(roles, rollout)

@@ -43,6 +43,7 @@ from rollplex.phases import (
     rollout_prefix,
     uses_reference,
 )
+from rollplex.schedule import shuffled_rollout
 from rollplex.schedule.concurrency import (
     SideResult,
     SideWork,
@@ -52,7 +53,6 @@ from rollplex.schedule.concurrency import (
     stream_sync,
 )
 from rollplex.schedule.eq1 import Standalone, phase1_terms
-from rollplex.schedule.serial import shuffled_rollout
 from rollplex.types import PrefixState, Prompt, RolloutBatch, ScoredBatch
 
 log = logging.getLogger(__name__)

@@ -17,10 +17,9 @@ from rollplex.phases import (
     reference_phase,
     reward_phase,
     rollout_phase,
-    temporal_phase,
-    uses_temporal,
 )
-from rollplex.types import Prompt, RolloutBatch, ScoredBatch, ShuffledAccuracy
+from rollplex.schedule import shuffled_rollout
+from rollplex.types import Prompt, ScoredBatch
 
 
 def mini_batches(num_groups: int, count: int) -> list[list[int]]:
@@ -28,15 +27,6 @@ def mini_batches(num_groups: int, count: int) -> list[list[int]]:
     count = max(1, min(count, num_groups))
     bounds = [round(i * num_groups / count) for i in range(count + 1)]
     return [list(range(bounds[i], bounds[i + 1])) for i in range(count)]
-
-
-def shuffled_rollout(roles: Roles, rollout: RolloutBatch, timer) -> ShuffledAccuracy | None:
-    """T-GRPO's shuffled-frame rollout as the "temporal" phase, right after the ordered rollout in every
-    schedule (None when T-GRPO is off)."""
-    if not uses_temporal(roles):
-        return None
-    with timer.phase("temporal"):
-        return temporal_phase(roles, rollout)
 
 
 def serial_step(

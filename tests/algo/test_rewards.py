@@ -355,6 +355,17 @@ def test_bonus_lands_on_the_groups_with_twins_only():
     assert torch.equal(out.accuracy, accuracy) and torch.equal(rewards.total, accuracy + fmt)
 
 
+def test_bonus_counts_with_the_accuracy_weight():
+    """Video-R1 adds the bonus to the accuracy reward, so it enters the total times that reward's weight."""
+    acc = torch.tensor([1.0, 0.0])
+    rewards = RewardResult(2.0 * acc, {"accuracy": acc}, acc, torch.zeros(2))
+    out = add_temporal_bonus(
+        rewards, ShuffledAccuracy([0], torch.zeros(1, 1)), 2, alpha=0.3, mu=1.0, weight=2.0
+    )
+    assert out.per_function["temporal"].tolist() == pytest.approx([0.3, 0.0])
+    assert out.total.tolist() == pytest.approx([2.6, 0.0])
+
+
 def test_bonus_without_twins_is_zero_and_rows_must_split_into_groups():
     acc = torch.ones(4)
     rewards = RewardResult(acc, {"accuracy": acc}, acc, torch.zeros(4))

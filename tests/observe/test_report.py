@@ -172,6 +172,10 @@ def test_timeline_from_trace(tmp_path):
     fig = timeline_figure(__import__("json").loads((tmp_path / "trace.json").read_text()))
     labels = [t.get_text() for t in fig.axes[0].get_yticklabels()]
     assert labels == ["decode", "prefix", "main"]
+    window = timeline_figure(
+        __import__("json").loads((tmp_path / "trace.json").read_text()), last_seconds=1.5
+    )
+    assert window.axes[0].get_xlim() == (0.5, 2.0)  # the window, even though rollout began before it
 
 
 def test_overlapped_phase1_is_counted_once():

@@ -4,6 +4,8 @@ the barriers hold, and a resumed run is bit-for-bit."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -33,11 +35,16 @@ TEMPORAL = {
 }
 
 
+def _accuracy(completion: str) -> float:
+    """Stand-in accuracy: the tiny model answers at random, so its real accuracy is almost always 0 and no
+    bonus would be granted; scoring answers by their characters makes groups differ."""
+    return float(sum(map(ord, completion)) % 3 == 0)
+
+
 @pytest.fixture
 def varied_accuracy(monkeypatch):
-    """The tiny model answers at random, so its accuracy is almost always 0 and no bonus would be granted:
-    score answers by their characters instead, so groups differ and both outcomes occur."""
-    scorer = lambda completion, record: Score(float(sum(map(ord, completion)) % 3 == 0))  # noqa: E731
+    """``answer_accuracy`` scores by ``_accuracy``, so both bonus outcomes occur."""
+    scorer = lambda completion, record: Score(_accuracy(completion))  # noqa: E731
     monkeypatch.setitem(reward_module._BUILTIN_SCORERS, "answer_accuracy", scorer)
 
 
@@ -51,46 +58,60 @@ def _rule(ordered: list[list[float]], shuffled: list[list[float]]) -> list[list[
     return out
 
 
-def test_the_bonus_follows_the_rule_on_the_shuffled_rollout(assets, tmp_path, monkeypatch, varied_accuracy):  # noqa: F811
-    """Serial steps: the second rollout samples each group's twin M = 2 times; the bonus equals the rule
-    applied to the observed accuracies; total = accuracy + format + bonus; both outcomes occur."""
+def _recorded_rollouts(monkeypatch) -> list:
+    """(prompts, group size, RolloutBatch) of every rollout, appended as they run."""
     calls = []
     real = phases.generate  # every rollout of every schedule samples through phases.generate
 
     def recording(model, prompts, prefix, *, group_size, **kwargs):
-        calls.append((prompts, group_size))
-        return real(model, prompts, prefix, group_size=group_size, **kwargs)
+        batch = real(model, prompts, prefix, group_size=group_size, **kwargs)
+        calls.append((prompts, group_size, batch))
+        return batch
 
     monkeypatch.setattr(phases, "generate", recording)
-    cfg = _config(assets, tmp_path / "run", 4, **TEMPORAL)
+    return calls
+
+
+def test_the_bonus_follows_the_rule_on_the_shuffled_rollout(assets, tmp_path, monkeypatch, varied_accuracy):  # noqa: F811
+    """Serial steps, accuracy weighted 2: the second rollout samples the twins M = 2 times (only group 0's
+    on the steps where group 1 has no twin); the bonus equals the rule applied to both rollouts' texts
+    scored here; total = 2 · (accuracy + bonus) + format; both outcomes occur."""
+    calls = _recorded_rollouts(monkeypatch)
+    cfg = _config(assets, tmp_path / "run", 4, **TEMPORAL, **{"reward.weights": "[2.0, 1.0]"})
     run = build_run(cfg)
     step = make_step(cfg, run.device)
     granted = []
-    for _ in range(4):
+    for index in range(4):
         calls.clear()
         prompts = run.train.next_batch()
+        if index % 2:
+            prompts[1] = dataclasses.replace(prompts[1], shuffled=None)  # like an image group
+        with_twin = [0] if index % 2 else [0, 1]
         scored = step(run.roles, prompts, PhaseTimer())[0]
-        ordered_prompts, twins = calls[0][0], calls[1][0]
-        assert [calls[0][1], calls[1][1]] == [4, 2]
-        assert twins == [p.shuffled for p in ordered_prompts] and all(t is not None for t in twins)
-        shuffled = scored.shuffled
-        assert shuffled.groups == [0, 1] and shuffled.accuracy.shape == (2, 2)
-        accuracy = scored.rewards.accuracy.view(2, 4)
-        expected = _rule(accuracy.tolist(), shuffled.accuracy.tolist())
+        (ordered_prompts, n, ordered), (twins, m, shuffled) = calls
+        assert (n, m) == (4, 2) and ordered_prompts == prompts
+        assert twins == [prompts[g].shuffled for g in with_twin] and all(t is not None for t in twins)
+        accuracy = [[_accuracy(t) for t in ordered.texts[g * 4 : g * 4 + 4]] for g in range(2)]
+        twin_accuracy = [[_accuracy(t) for t in shuffled.texts[i * 2 : i * 2 + 2]] for i in range(len(twins))]
+        expected = [[0.0] * 4 for _ in range(2)]
+        for g, row in zip(with_twin, _rule([accuracy[g] for g in with_twin], twin_accuracy), strict=True):
+            expected[g] = row
+        assert scored.shuffled.groups == with_twin
         bonus = scored.rewards.per_function["temporal"].view(2, 4)
         assert torch.allclose(bonus, torch.tensor(expected))
         fmt = scored.rewards.per_function["answer_format"].view(2, 4)
-        assert torch.allclose(scored.rewards.total.view(2, 4), accuracy + fmt + bonus)
+        assert torch.allclose(scored.rewards.total.view(2, 4), 2 * (torch.tensor(accuracy) + bonus) + fmt)
         granted += [any(row) for row in expected]
     assert any(granted) and not all(granted)
 
 
 def test_every_schedule_gives_the_same_update(assets, tmp_path, varied_accuracy):  # noqa: F811
-    """3 steps with T-GRPO on: serial, overlapped rollplex with and without prefill fusion, and auto end
-    with bitwise equal weights and metrics; the T-GRPO metrics are recorded."""
+    """3 steps with T-GRPO on: every schedule of the same-update test (rollplex with and without the worker
+    thread and prefill fusion, chunked, auto) ends with serial's weights and metrics, bitwise; the T-GRPO
+    metrics are recorded."""
     runs = {}
-    for name in ("serial", "rollplex", "fused", "auto"):
-        runs[name] = train(_config(assets, tmp_path / name, 3, **TEMPORAL, **SCHEDULES[name]))
+    for name, extra in SCHEDULES.items():
+        runs[name] = train(_config(assets, tmp_path / name, 3, **TEMPORAL, **extra))
     metrics = assert_same_update(runs)
     rows = [r for r in metrics["serial"] if "loss" in r]
     assert all(r["temporal/video_groups"] == 2.0 for r in rows)
@@ -98,7 +119,8 @@ def test_every_schedule_gives_the_same_update(assets, tmp_path, varied_accuracy)
         {
             "temporal/ordered_accuracy",
             "temporal/shuffled_accuracy",
-            "temporal/bonus_groups",
+            "temporal/bonus_group_fraction",
+            "temporal/reward_errors",
             "reward/temporal",
         }
         <= r.keys()
