@@ -21,7 +21,6 @@ Example:
 from __future__ import annotations
 
 import dataclasses
-import logging
 import re
 import typing
 from dataclasses import dataclass, field
@@ -29,8 +28,6 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-
-log = logging.getLogger("rollplex")
 
 
 class ConfigError(ValueError):
@@ -525,7 +522,7 @@ def validate_for_training(cfg: Config) -> None:
 
     Raises ``ConfigError`` when ``model.path`` is empty or not a folder, ``data.train_path`` is empty or
     not a file, ``data.val_path``/``data.data_root`` are set but missing, or ``eval.every > 0`` without
-    ``data.val_path``. Logs a warning for T-GRPO settings that take no effect (``reward.temporal_alpha`` 0).
+    ``data.val_path``.
     """
     required = (
         ("model.path", cfg.model.path, Path.is_dir),
@@ -547,14 +544,16 @@ def validate_for_training(cfg: Config) -> None:
         raise _conflict(
             "eval.every", cfg.eval.every, "data.val_path", "", "evaluation needs held-out records"
         )
-    ignored = [f"reward.{name}" for name in ("temporal_mu", "temporal_samples") if _ignored(cfg.reward, name)]
-    if ignored:
-        log.warning("%s set, but T-GRPO is off (reward.temporal_alpha=0): ignored", ", ".join(ignored))
 
 
-def _ignored(reward: RewardConfig, name: str) -> bool:
-    """Whether T-GRPO field ``name`` differs from its default while T-GRPO is off."""
-    return reward.temporal_alpha == 0 and getattr(reward, name) != getattr(RewardConfig(), name)
+def ignored_fields(cfg: Config) -> list[str]:
+    """Fields set away from their default that take no effect: T-GRPO's ``reward.temporal_mu`` and
+    ``reward.temporal_samples`` while ``reward.temporal_alpha`` is 0 (``loop.train`` warns about them)."""
+    if cfg.reward.temporal_alpha != 0:
+        return []
+    default = RewardConfig()
+    names = ("temporal_mu", "temporal_samples")
+    return [f"reward.{n}" for n in names if getattr(cfg.reward, n) != getattr(default, n)]
 
 
 def data_root(cfg: DataConfig) -> Path:

@@ -107,7 +107,7 @@ def temporal_phase(roles: Roles, rollout: RolloutBatch) -> ShuffledAccuracy:
     twins = [rollout.prompts[g].shuffled for g in groups]
     shuffled = rollout_phase(roles, twins, m, roles.sampling)
     records = [p.record for p in twins for _ in range(m)]
-    rewards = compute_rewards(shuffled.texts, records, [accuracy_reward_name(cfg)])
+    rewards = compute_rewards(shuffled.texts, records, [accuracy_reward_name(cfg)], rows="shuffled-frame row")
     return ShuffledAccuracy(groups, rewards.accuracy.view(len(groups), m), rewards.errors)
 
 

@@ -356,7 +356,11 @@ def _resolve_scorer(name: str) -> Callable[[str, Record], Score]:
 
 
 def compute_rewards(
-    completions: list[str], records: list[Record], names: list[str], weights: list[float] | None = None
+    completions: list[str],
+    records: list[Record],
+    names: list[str],
+    weights: list[float] | None = None,
+    rows: str = "row",
 ) -> RewardResult:
     """Score B completions with every named reward function and sum them with weights.
 
@@ -370,6 +374,7 @@ def compute_rewards(
         completions: B decoded responses. records: B records, ``records[b]`` is the record of row b.
         names: reward names for :func:`resolve_reward`, no duplicates.
         weights: one float per name; None means all 1.0.
+        rows: what a row is called in the log line of a flagged sample (e.g. "shuffled-frame row").
 
     Returns:
         RewardResult with float32 [B] tensors on the CPU.
@@ -391,7 +396,7 @@ def compute_rewards(
         scores = [scorer(c, r) for c, r in zip(completions, records, strict=True)]
         for b, score in enumerate(scores):
             if score.problem is not None:
-                log.error("reward %s flagged row %d: %s", name, b, score.problem)
+                log.error("reward %s flagged %s %d: %s", name, rows, b, score.problem)
                 flagged[b] = True
         per_function[name] = torch.tensor([s.value for s in scores], dtype=torch.float32)
     total = sum(

@@ -275,7 +275,8 @@ def timeline_figure(trace: dict, last_seconds: float = 30.0) -> Figure | None:
         for e in (e for e in shown if e["tid"] == tid):
             ax.broken_barh([(e["ts"] / 1e6, e["dur"] / 1e6)], (row - 0.4, 0.8), color=colours[e["name"]])
     ax.set_yticks(range(len(rows)), [names.get(tid, str(tid)) for tid in rows])
-    ax.set_xlim(end - last_seconds, end)  # a span that began earlier is drawn from the window's start
+    start = max(end - last_seconds, min(e["ts"] for e in spans) / 1e6)
+    ax.set_xlim(start, end)  # a span that began before the window is drawn from the window's start
     ax.set_xlabel("seconds since the run started")
     ax.set_title(f"Step timeline (last {last_seconds:.0f} s)")
     handles = [Rectangle((0, 0), 1, 1, color=colours[n]) for n in phases]

@@ -176,6 +176,7 @@ def test_timeline_from_trace(tmp_path):
         __import__("json").loads((tmp_path / "trace.json").read_text()), last_seconds=1.5
     )
     assert window.axes[0].get_xlim() == (0.5, 2.0)  # the window, even though rollout began before it
+    assert fig.axes[0].get_xlim() == (0.0, 2.0)  # a trace shorter than the window: from its start
 
 
 def test_overlapped_phase1_is_counted_once():

@@ -41,10 +41,16 @@ def _accuracy(completion: str) -> float:
     return float(sum(map(ord, completion)) % 3 == 0)
 
 
+def _flagged(completion: str) -> bool:
+    """Stand-in for an answer whose scoring reports a problem (counted in the reward errors)."""
+    return sum(map(ord, completion)) % 5 == 0
+
+
 @pytest.fixture
 def varied_accuracy(monkeypatch):
-    """``answer_accuracy`` scores by ``_accuracy``, so both bonus outcomes occur."""
-    scorer = lambda completion, record: Score(_accuracy(completion))  # noqa: E731
+    """``answer_accuracy`` scores by ``_accuracy`` and flags ``_flagged`` answers, so both bonus outcomes
+    occur and errors are counted."""
+    scorer = lambda c, record: Score(_accuracy(c), "stand-in flag" if _flagged(c) else None)  # noqa: E731
     monkeypatch.setitem(reward_module._BUILTIN_SCORERS, "answer_accuracy", scorer)
 
 
@@ -73,20 +79,21 @@ def _recorded_rollouts(monkeypatch) -> list:
 
 
 def test_the_bonus_follows_the_rule_on_the_shuffled_rollout(assets, tmp_path, monkeypatch, varied_accuracy):  # noqa: F811
-    """Serial steps, accuracy weighted 2: the second rollout samples the twins M = 2 times (only group 0's
-    on the steps where group 1 has no twin); the bonus equals the rule applied to both rollouts' texts
-    scored here; total = 2 · (accuracy + bonus) + format; both outcomes occur."""
+    """Serial steps, accuracy weighted 2: the second rollout samples the twins M = 2 times (only group 1's
+    on the steps where group 0 has no twin); the bonus equals the rule applied to both rollouts' texts
+    scored here; total = 2 · (accuracy + bonus) + format; the flagged twin answers are counted; both
+    outcomes occur."""
     calls = _recorded_rollouts(monkeypatch)
     cfg = _config(assets, tmp_path / "run", 4, **TEMPORAL, **{"reward.weights": "[2.0, 1.0]"})
     run = build_run(cfg)
     step = make_step(cfg, run.device)
-    granted = []
+    granted, errors = [], 0
     for index in range(4):
         calls.clear()
         prompts = run.train.next_batch()
         if index % 2:
-            prompts[1] = dataclasses.replace(prompts[1], shuffled=None)  # like an image group
-        with_twin = [0] if index % 2 else [0, 1]
+            prompts[0] = dataclasses.replace(prompts[0], shuffled=None)  # like an image group
+        with_twin = [1] if index % 2 else [0, 1]
         scored = step(run.roles, prompts, PhaseTimer())[0]
         (ordered_prompts, n, ordered), (twins, m, shuffled) = calls
         assert (n, m) == (4, 2) and ordered_prompts == prompts
@@ -97,12 +104,14 @@ def test_the_bonus_follows_the_rule_on_the_shuffled_rollout(assets, tmp_path, mo
         for g, row in zip(with_twin, _rule([accuracy[g] for g in with_twin], twin_accuracy), strict=True):
             expected[g] = row
         assert scored.shuffled.groups == with_twin
+        assert scored.shuffled.errors == sum(_flagged(t) for t in shuffled.texts)
         bonus = scored.rewards.per_function["temporal"].view(2, 4)
         assert torch.allclose(bonus, torch.tensor(expected))
         fmt = scored.rewards.per_function["answer_format"].view(2, 4)
         assert torch.allclose(scored.rewards.total.view(2, 4), 2 * (torch.tensor(accuracy) + bonus) + fmt)
         granted += [any(row) for row in expected]
-    assert any(granted) and not all(granted)
+        errors += scored.shuffled.errors
+    assert any(granted) and not all(granted) and errors
 
 
 def test_every_schedule_gives_the_same_update(assets, tmp_path, varied_accuracy):  # noqa: F811
