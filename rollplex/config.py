@@ -438,9 +438,9 @@ def _check_rewards(w: RewardConfig) -> None:
         raise _conflict(
             "reward.weights", w.weights, "reward.functions", w.functions, "need one weight per function"
         )
-    from rollplex.algo.rewards import ACCURACY_REWARDS, resolve_reward  # torch-heavy: imported to check
+    from rollplex.algo.rewards import ACCURACY_REWARDS, first_of_kind, resolve_reward  # torch-heavy
 
-    if w.temporal_alpha > 0 and not set(w.functions) & set(ACCURACY_REWARDS):
+    if w.temporal_alpha > 0 and first_of_kind(w.functions, ACCURACY_REWARDS) is None:
         why = f"the T-GRPO bonus compares accuracies: name one of {list(ACCURACY_REWARDS)}"
         raise _conflict("reward.temporal_alpha", w.temporal_alpha, "reward.functions", w.functions, why)
 

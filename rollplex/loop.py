@@ -330,10 +330,9 @@ def train(cfg: Config, resume: bool = False, overwrite: bool = False) -> Path:
     _quiet_library_progress()
     started = time.perf_counter()
     _claim_run_dir(Path(cfg.run.out_dir), resume, overwrite)
-    if ignored_fields(cfg):
-        log.warning(
-            "%s set, but T-GRPO is off (reward.temporal_alpha=0): ignored", ", ".join(ignored_fields(cfg))
-        )
+    ignored = ignored_fields(cfg)
+    if ignored:
+        log.warning("%s set, but T-GRPO is off (reward.temporal_alpha=0): ignored", ", ".join(ignored))
     run = build_run(cfg)
     run.run_dir.mkdir(parents=True, exist_ok=True)
     save_config(cfg, run.run_dir / "config.yaml")

@@ -21,7 +21,7 @@ import torch
 from rollplex.algo.advantages import group_advantages
 from rollplex.algo.kl import kl_penalty
 from rollplex.algo.losses import aggregate, policy_loss
-from rollplex.algo.rewards import ACCURACY_REWARDS, add_temporal_bonus, compute_rewards
+from rollplex.algo.rewards import ACCURACY_REWARDS, add_temporal_bonus, compute_rewards, first_of_kind
 from rollplex.config import Config, reward_weights, temporal_samples
 from rollplex.models.forward import merge_prefixes, prefix_forward, suffix_logprobs
 from rollplex.optim import MasterWeightAdamW
@@ -107,13 +107,9 @@ def temporal_phase(roles: Roles, rollout: RolloutBatch) -> ShuffledAccuracy:
     twins = [rollout.prompts[g].shuffled for g in groups]
     shuffled = rollout_phase(roles, twins, m, roles.sampling)
     records = [p.record for p in twins for _ in range(m)]
-    rewards = compute_rewards(shuffled.texts, records, [accuracy_reward_name(cfg)], rows="shuffled-frame row")
+    accuracy = first_of_kind(cfg.reward.functions, ACCURACY_REWARDS)  # config checks there is one
+    rewards = compute_rewards(shuffled.texts, records, [accuracy], rows="shuffled-frame row")
     return ShuffledAccuracy(groups, rewards.accuracy.view(len(groups), m), rewards.errors)
-
-
-def accuracy_reward_name(cfg: Config) -> str:
-    """The run's first accuracy-type reward function (the one ``RewardResult.accuracy`` holds)."""
-    return next(name for name in cfg.reward.functions if name in ACCURACY_REWARDS)
 
 
 def reward_phase(
@@ -123,10 +119,11 @@ def reward_phase(
     (reference log-probs are filled in later)."""
     cfg = roles.config
     records = [p.record for p in rollout.prompts for _ in range(rollout.group_size)]
-    rewards = compute_rewards(rollout.texts, records, list(cfg.reward.functions), reward_weights(cfg.reward))
+    names, weights = list(cfg.reward.functions), reward_weights(cfg.reward)
+    rewards = compute_rewards(rollout.texts, records, names, weights)
     if shuffled is not None:
         alpha, mu = cfg.reward.temporal_alpha, cfg.reward.temporal_mu
-        weight = reward_weights(cfg.reward)[cfg.reward.functions.index(accuracy_reward_name(cfg))]
+        weight = weights[names.index(first_of_kind(names, ACCURACY_REWARDS))]
         rewards = add_temporal_bonus(rewards, shuffled, rollout.group_size, alpha, mu, weight)
     advantages, zero_groups = group_advantages(rewards.total, rollout.group_size, cfg.algo.normalize_std)
     advantages = advantages.to(rollout.responses.device)

@@ -22,7 +22,7 @@ import importlib
 import logging
 import math
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -411,11 +411,15 @@ def compute_rewards(
     )
 
 
+def first_of_kind(names: Sequence[str], kinds: tuple[str, ...]) -> str | None:
+    """The first of ``names`` that is one of ``kinds`` (e.g. ``ACCURACY_REWARDS``), or None: the function
+    whose values ``RewardResult.accuracy`` / ``.format`` hold."""
+    return next((name for name in names if name in kinds), None)
+
+
 def _first_of(per_function: dict[str, torch.Tensor], kinds: tuple[str, ...], rows: int) -> torch.Tensor:
-    for name, values in per_function.items():
-        if name in kinds:
-            return values
-    return torch.zeros(rows, dtype=torch.float32)
+    name = first_of_kind(list(per_function), kinds)
+    return per_function[name] if name is not None else torch.zeros(rows, dtype=torch.float32)
 
 
 # ---------------------------------------------------------------- T-GRPO temporal bonus
