@@ -61,23 +61,35 @@ def _jit(fn):
 
 
 @_jit
-def _online_block(qb, k_base, v_base, sk, sv, j, hi, d, m, s_sum, acc, scale):
+def _online_block(qb, k_base, v_base, sk, sv, j, hi, d, m, s_sum, acc, scale, EVICT: tl.constexpr):
     """One block of keys j (< hi valid) through the online softmax of queries qb [NQ, D]; returns the
     updated running max m, normaliser s_sum and unnormalised output acc (float32)."""
     valid = j < hi
-    kb = tl.load(k_base + j[None, :] * sk + d[:, None], mask=valid[None, :], other=0.0)
+    kb = tl.load(k_base + j[None, :] * sk + d[:, None], mask=valid[None, :], other=0.0, eviction_policy=EVICT)
     scores = tl.where(valid[None, :], tl.dot(qb, kb).to(tl.float32) * scale, float("-inf"))
     m_new = tl.maximum(m, tl.max(scores, 1))
     p = tl.exp(scores - m_new[:, None])
     alpha = tl.exp(m - m_new)
-    vb = tl.load(v_base + j[:, None] * sv + d[None, :], mask=valid[:, None], other=0.0)
+    vb = tl.load(v_base + j[:, None] * sv + d[None, :], mask=valid[:, None], other=0.0, eviction_policy=EVICT)
     acc = acc * alpha[:, None] + tl.dot(p.to(vb.dtype), vb).to(tl.float32)
     return m_new, s_sum * alpha + tl.sum(p, 1), acc
 
 
 @_jit
 def _attend_range(
-    qb, k_base, v_base, sk, sv, lo, hi, d, scale, NQ: tl.constexpr, D: tl.constexpr, BLOCK: tl.constexpr
+    qb,
+    k_base,
+    v_base,
+    sk,
+    sv,
+    lo,
+    hi,
+    d,
+    scale,
+    NQ: tl.constexpr,
+    D: tl.constexpr,
+    BLOCK: tl.constexpr,
+    EVICT: tl.constexpr = "",
 ):
     """Online softmax of queries qb [NQ, D] over keys lo..hi-1 (an empty range gives m = -inf, l = 0,
     acc = 0); returns (m, l, acc) in float32."""
@@ -86,7 +98,7 @@ def _attend_range(
     acc = tl.zeros((NQ, D), tl.float32)
     for start in range(lo, hi, BLOCK):
         j = start + tl.arange(0, BLOCK)
-        m, s_sum, acc = _online_block(qb, k_base, v_base, sk, sv, j, hi, d, m, s_sum, acc, scale)
+        m, s_sum, acc = _online_block(qb, k_base, v_base, sk, sv, j, hi, d, m, s_sum, acc, scale, EVICT)
     return m, s_sum, acc
 
 
@@ -121,7 +133,7 @@ def _prefix_program(
     sq_b, sq_h, scs_b, spk_g, spk_h, spk_p, spv_g, spv_h, spv_p,
     so_s, so_b, so_h, sa_s, sa_b, sa_h,
     splits, scale, N: tl.constexpr, REP: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr,
-    NQ: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr, ROPE: tl.constexpr,
+    NQ: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr, ROPE: tl.constexpr, EVICT: tl.constexpr,
 ):  # fmt: skip
     """Program (group·Hkv + kv head)·splits + chunk: the group's N·rep queries of one kv head against
     one chunk of its boundary keys."""
@@ -135,7 +147,7 @@ def _prefix_program(
     lo = split * CHUNK
     hi = tl.minimum(lo + CHUNK, tl.load(lens + g))
     k_base, v_base = pk + g * spk_g + k * spk_h, pv + g * spv_g + k * spv_h
-    m, s_sum, acc = _attend_range(qb, k_base, v_base, spk_p, spv_p, lo, hi, d, scale, NQ, D, BLOCK)
+    m, s_sum, acc = _attend_range(qb, k_base, v_base, spk_p, spv_p, lo, hi, d, scale, NQ, D, BLOCK, EVICT)
     at = split * so_s + b * so_b + h * so_h
     _store(m_out, l_out, acc_out, at, split * sa_s + b * sa_b + h * sa_h, d, m, s_sum, acc, valid_q)
 
@@ -146,7 +158,7 @@ def _own_program(
     sq_b, sq_h, scs_b, sok_b, sok_h, sok_l, sov_b, sov_h, sov_l, snk_b, snk_h, snv_b, snv_h,
     so_s, so_b, so_h, sa_s, sa_b, sa_h,
     first_split, own_chunks, scale, REP: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr,
-    NQ: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr, ROPE: tl.constexpr,
+    NQ: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr, ROPE: tl.constexpr, EVICT: tl.constexpr,
 ):  # fmt: skip
     """Program (row·Hkv + kv head)·own_chunks + chunk: the row's rep queries of one kv head against one
     chunk of its own keys 0..step (a chunk past the step stores an empty partial). The program whose
@@ -168,7 +180,7 @@ def _own_program(
         tl.store(v_base + now * sov_l + d, tl.load(nv + b * snv_b + k * snv_h + d))
         tl.debug_barrier()  # the block's own stores are visible to its loads below
     hi = tl.minimum(lo + CHUNK, now + 1)
-    m, s_sum, acc = _attend_range(qb, k_base, v_base, sok_l, sov_l, lo, hi, d, scale, NQ, D, BLOCK)
+    m, s_sum, acc = _attend_range(qb, k_base, v_base, sok_l, sov_l, lo, hi, d, scale, NQ, D, BLOCK, EVICT)
     at = split * so_s + b * so_b + h * so_h
     _store(m_out, l_out, acc_out, at, split * sa_s + b * sa_b + h * sa_h, d, m, s_sum, acc, valid_q)
 
@@ -179,27 +191,60 @@ def _partials(
     sq_b, sq_h, scs_b, spk_g, spk_h, spk_p, spv_g, spv_h, spv_p,
     sok_b, sok_h, sok_l, sov_b, sov_h, sov_l, snk_b, snk_h, snv_b, snv_h,
     so_s, so_b, so_h, sa_s, sa_b, sa_h,
-    prefix_programs, splits, own_chunks, scale,
+    prefix_programs, splits, own_chunks, scale, pf0, pf0_bytes, pf1, pf1_bytes,
     N: tl.constexpr, REP: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, NQ_PREFIX: tl.constexpr,
     NQ_OWN: tl.constexpr, PREFIX_CHUNK_: tl.constexpr, OWN_CHUNK_: tl.constexpr, BLOCK: tl.constexpr,
-    ROPE: tl.constexpr,
+    ROPE: tl.constexpr, PF: tl.constexpr, PF_START: tl.constexpr, EVICT: tl.constexpr, LANES: tl.constexpr,
 ):  # fmt: skip
     """One launch for both kinds of partials: programs 0..prefix_programs-1 are prefix programs, the
     rest own-key programs (so the two bandwidth-bound halves share the device instead of queueing)."""
     pid = tl.program_id(0).to(tl.int64)
+    if PF_START:
+        if PF >= 1:
+            _prefetch_l2(pf0, pf0_bytes, pid, tl.num_programs(0), LANES, False)
+        if PF >= 2:
+            _prefetch_l2(pf1, pf1_bytes, pid, tl.num_programs(0), LANES, False)
     if pid < prefix_programs:
         _prefix_program(
             pid, q, cos, sin, pk, pv, lens, m_out, l_out, acc_out,
             sq_b, sq_h, scs_b, spk_g, spk_h, spk_p, spv_g, spv_h, spv_p,
             so_s, so_b, so_h, sa_s, sa_b, sa_h,
-            splits, scale, N, REP, HKV, D, NQ_PREFIX, PREFIX_CHUNK_, BLOCK, ROPE,
+            splits, scale, N, REP, HKV, D, NQ_PREFIX, PREFIX_CHUNK_, BLOCK, ROPE, EVICT,
         )  # fmt: skip
+        if not PF_START:
+            if PF >= 1:
+                _prefetch_l2(pf0, pf0_bytes, pid, prefix_programs, LANES, False)
+            if PF >= 2:
+                _prefetch_l2(pf1, pf1_bytes, pid, prefix_programs, LANES, False)
     else:
         _own_program(
             pid - prefix_programs, q, cos, sin, ok, ov, nk, nv, step, m_out, l_out, acc_out,
             sq_b, sq_h, scs_b, sok_b, sok_h, sok_l, sov_b, sov_h, sov_l, snk_b, snk_h, snv_b, snv_h,
             so_s, so_b, so_h, sa_s, sa_b, sa_h,
-            splits, own_chunks, scale, REP, HKV, D, NQ_OWN, OWN_CHUNK_, BLOCK, ROPE,
+            splits, own_chunks, scale, REP, HKV, D, NQ_OWN, OWN_CHUNK_, BLOCK, ROPE, EVICT,
+        )  # fmt: skip
+
+
+@_jit
+def _prefetch_l2(region, nbytes, part, parts, LANES: tl.constexpr, EVICT_LAST: tl.constexpr):
+    """Ask the L2 cache to fetch part ``part`` of ``parts`` of the ``nbytes`` bytes at ``region`` (16-byte
+    aligned), one bulk prefetch per lane (PTX ``cp.async.bulk.prefetch.L2``, sm_90): a hint that
+    changes no value and is not waited for."""
+    per = tl.cdiv(tl.cdiv(nbytes, parts * LANES), 16) * 16
+    lane = tl.arange(0, LANES).to(tl.int64)
+    start = (part.to(tl.int64) * LANES + lane) * per
+    size = tl.minimum(per, nbytes - start).to(tl.int32)
+    addr = region.to(tl.pointer_type(tl.uint8)) + start
+    if EVICT_LAST:
+        tl.inline_asm_elementwise(
+            "{ .reg .pred p; .reg .b64 pol; setp.gt.s32 p, $2, 0; createpolicy.fractional.L2::evict_last.b64 pol, 1.0; "
+            "@p cp.async.bulk.prefetch.L2.global.L2::cache_hint [$1], $2, pol; mov.u32 $0, 0; }",
+            "=r,l,r", [addr, size], dtype=tl.int32, is_pure=False, pack=1,
+        )  # fmt: skip
+    else:
+        tl.inline_asm_elementwise(
+            "{ .reg .pred p; setp.gt.s32 p, $2, 0; @p cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0; }",
+            "=r,l,r", [addr, size], dtype=tl.int32, is_pure=False, pack=1,
         )  # fmt: skip
 
 
@@ -247,6 +292,9 @@ def fused_decode_attention(
     num_warps: int = NUM_WARPS,
     num_stages: int = NUM_STAGES,
     merge_warps: int = MERGE_WARPS,
+    prefetch: tuple[torch.Tensor, ...] = (),
+    prefetch_start: bool = False,
+    kv_evict: str = "",
 ) -> torch.Tensor:
     """Write the step's key/value into the cache, then attend: one query per row over [its group's
     boundary KV ; its own keys 0..step].
@@ -300,14 +348,17 @@ def fused_decode_attention(
     prefix_programs = g * hkv * splits
     rope = cos is not None
     cos, sin = (cos, sin) if rope else (q, q)  # unread without RoPE
+    regions = list(prefetch) + [q] * (2 - len(prefetch))
+    nbytes = [t.numel() * t.element_size() if i < len(prefetch) else 0 for i, t in enumerate(regions)]
     _partials[(prefix_programs + b * hkv * own_chunks,)](
         q, cos, sin, prefix_k, prefix_v, prefix_lens, own_k, own_v, new_k, new_v, step, m, l_, acc,
         q.stride(0), q.stride(1), cos.stride(0) if rope else 0, *prefix_k.stride()[:3], *prefix_v.stride()[:3],
         *own_k.stride()[:3], *own_v.stride()[:3], *new_k.stride()[:2], *new_v.stride()[:2],
         *m.stride(), *acc.stride()[:3],
-        prefix_programs, splits, own_chunks, scaling,
+        prefix_programs, splits, own_chunks, scaling, regions[0], nbytes[0], regions[1], nbytes[1],
         N=group_size, REP=rep, HKV=hkv, D=d, NQ_PREFIX=_pow2(group_size * rep), NQ_OWN=_pow2(rep),
         PREFIX_CHUNK_=prefix_chunk, OWN_CHUNK_=own_chunk, BLOCK=block_keys, ROPE=rope,
+        PF=len(prefetch), PF_START=prefetch_start, EVICT=kv_evict, LANES=32 * num_warps,
         num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
     out = torch.empty(b, h * d, device=q.device, dtype=q.dtype)
