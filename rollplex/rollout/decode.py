@@ -43,7 +43,6 @@ from rollplex.types import PrefixState
 log = logging.getLogger(__name__)
 
 NEG_INF = float("-inf")
-PREFETCH_PLAN: dict = {}  # probe settings (scripts/prefetch_probe.py)
 
 
 @dataclass(frozen=True)
@@ -59,8 +58,6 @@ class DecodeShape:
     scaling: float
     eps: float
     gated_kernel: bool = False  # the MLP's gate/up product and SiLU gate as one Triton kernel
-    prefetch_gate: str = ""  # probe: what the gated kernel prefetches at its end ("", qkv, qkv_last, down16)
-    gate_evict: str = ""  # probe: eviction policy of the gated kernel's weight loads
 
     @property
     def rows(self) -> int:
@@ -198,11 +195,7 @@ def layer_qkv(
 
 
 def layer_post(
-    hidden: torch.Tensor,
-    attention: torch.Tensor,
-    weights: LayerTensors,
-    shape: DecodeShape,
-    next_weights: LayerTensors | None = None,
+    hidden: torch.Tensor, attention: torch.Tensor, weights: LayerTensors, shape: DecodeShape
 ) -> torch.Tensor:
     """After attention [B, H·D]: o_proj, residual, post norm, SiLU-gated MLP, residual → hidden [B, Hd].
     With ``shape.gated_kernel`` (concatenated gate/up weights only), the gate/up product and its SiLU
@@ -211,15 +204,7 @@ def layer_post(
     hidden = residual_add(hidden, F.linear(attention, wo))
     x = rms_norm(hidden, ln2, shape.eps)
     if shape.gated_kernel:
-        target, last = None, shape.prefetch_gate == "qkv_last"
-        if shape.prefetch_gate.startswith("qkv") and next_weights is not None:
-            target = next_weights[1][0]
-        elif shape.prefetch_gate == "down16":
-            target = down[: (16 << 20) // (down.shape[1] * down.element_size())]
-        gated = gated_up_product(
-            x, gate_up[0], prefetch=target, prefetch_last=last, weight_evict=shape.gate_evict
-        )
-        return residual_add(hidden, F.linear(gated, down))
+        return residual_add(hidden, F.linear(gated_up_product(x, gate_up[0]), down))
     gate, up = _project(x, gate_up, None, [down.shape[1]] * 2)
     return residual_add(hidden, F.linear(F.silu(gate) * up, down))
 
@@ -262,7 +247,7 @@ def layer_post_qkv(
     Returns:
         hidden [B, Hd] after this layer, and the next layer's q, k, v (shapes as in ``layer_qkv``).
     """
-    hidden = layer_post(hidden, attention, weights, shape, next_weights)
+    hidden = layer_post(hidden, attention, weights, shape)
     return (hidden, *layer_qkv(hidden, cos, sin, next_weights, shape, rope))
 
 
@@ -525,8 +510,6 @@ class StaticDecoder:
             and params.fused_projections
             and fused_gate_runs(keys.device)
             and keys.shape[0] * group_size <= GATE_MAX_ROWS,
-            prefetch_gate=PREFETCH_PLAN.get("gate", ""),
-            gate_evict=PREFETCH_PLAN.get("gate_evict", ""),
         )
         self.model, self.prefix, self.params, self.record = model, prefix, params, record
         self.generator = generator
@@ -588,20 +571,7 @@ class StaticDecoder:
             if fused:
                 lens, step = self.prompt_lens_i32, self.step_index
                 attention = fused_decode_attention(
-                    q,
-                    keys,
-                    values,
-                    lens,
-                    own_k,
-                    own_v,
-                    k,
-                    v,
-                    step,
-                    s.scaling,
-                    s.group_size,
-                    cos=cos,
-                    sin=sin,
-                    **self._attention_prefetch(weights),
+                    q, keys, values, lens, own_k, own_v, k, v, step, s.scaling, s.group_size, cos=cos, sin=sin
                 )
                 if nxt is None:
                     hidden = fns.post(hidden, attention, weights, s)
@@ -617,21 +587,6 @@ class StaticDecoder:
                     hidden, q, k, v = fns.out_qkv(*attend, nxt, cos, sin, s)
         head = self.model.lm_head
         return fns.logits(hidden, lm.norm.weight, head.weight, head.bias, float(lm.norm.variance_epsilon))
-
-    def _attention_prefetch(self, weights: LayerTensors) -> dict:
-        plan = PREFETCH_PLAN
-        regions = []
-        for name in plan.get("attn", ()):
-            if name == "o":
-                regions.append(weights[3])
-            elif name.startswith("gu"):
-                gu = weights[5][0]
-                regions.append(gu[: (int(name[2:]) << 20) // (gu.shape[1] * gu.element_size())])
-        return {
-            "prefetch": tuple(regions),
-            "prefetch_start": plan.get("attn_start", False),
-            "kv_evict": plan.get("kv_evict", ""),
-        }
 
     def _bias(self, length: int) -> torch.Tensor:
         """Additive mask float32 [B, 1, 1, P + L] of the dense attention: prompt padding and own slots

@@ -46,6 +46,7 @@ OWN_CHUNK = 512  # own keys per own-key program (scripts/attention_sweep.py pick
 BLOCK_KEYS = 64  # keys per inner iteration
 NUM_WARPS, NUM_STAGES = 4, 3  # the partials launch (Triton's defaults; the sweep's fastest on one H200)
 MERGE_WARPS = 1  # the merge launch, one (row, head) per program (the sweep's fastest on one H200)
+QUERY_SPLIT = 1  # prefix programs per (group, kv head, chunk), each with N·rep / QUERY_SPLIT queries
 
 
 def supports(heads: int, kv_heads: int, head_dim: int) -> bool:
@@ -61,35 +62,23 @@ def _jit(fn):
 
 
 @_jit
-def _online_block(qb, k_base, v_base, sk, sv, j, hi, d, m, s_sum, acc, scale, EVICT: tl.constexpr):
+def _online_block(qb, k_base, v_base, sk, sv, j, hi, d, m, s_sum, acc, scale):
     """One block of keys j (< hi valid) through the online softmax of queries qb [NQ, D]; returns the
     updated running max m, normaliser s_sum and unnormalised output acc (float32)."""
     valid = j < hi
-    kb = tl.load(k_base + j[None, :] * sk + d[:, None], mask=valid[None, :], other=0.0, eviction_policy=EVICT)
+    kb = tl.load(k_base + j[None, :] * sk + d[:, None], mask=valid[None, :], other=0.0)
     scores = tl.where(valid[None, :], tl.dot(qb, kb).to(tl.float32) * scale, float("-inf"))
     m_new = tl.maximum(m, tl.max(scores, 1))
     p = tl.exp(scores - m_new[:, None])
     alpha = tl.exp(m - m_new)
-    vb = tl.load(v_base + j[:, None] * sv + d[None, :], mask=valid[:, None], other=0.0, eviction_policy=EVICT)
+    vb = tl.load(v_base + j[:, None] * sv + d[None, :], mask=valid[:, None], other=0.0)
     acc = acc * alpha[:, None] + tl.dot(p.to(vb.dtype), vb).to(tl.float32)
     return m_new, s_sum * alpha + tl.sum(p, 1), acc
 
 
 @_jit
 def _attend_range(
-    qb,
-    k_base,
-    v_base,
-    sk,
-    sv,
-    lo,
-    hi,
-    d,
-    scale,
-    NQ: tl.constexpr,
-    D: tl.constexpr,
-    BLOCK: tl.constexpr,
-    EVICT: tl.constexpr = "",
+    qb, k_base, v_base, sk, sv, lo, hi, d, scale, NQ: tl.constexpr, D: tl.constexpr, BLOCK: tl.constexpr
 ):
     """Online softmax of queries qb [NQ, D] over keys lo..hi-1 (an empty range gives m = -inf, l = 0,
     acc = 0); returns (m, l, acc) in float32."""
@@ -98,7 +87,7 @@ def _attend_range(
     acc = tl.zeros((NQ, D), tl.float32)
     for start in range(lo, hi, BLOCK):
         j = start + tl.arange(0, BLOCK)
-        m, s_sum, acc = _online_block(qb, k_base, v_base, sk, sv, j, hi, d, m, s_sum, acc, scale, EVICT)
+        m, s_sum, acc = _online_block(qb, k_base, v_base, sk, sv, j, hi, d, m, s_sum, acc, scale)
     return m, s_sum, acc
 
 
@@ -133,13 +122,15 @@ def _prefix_program(
     sq_b, sq_h, scs_b, spk_g, spk_h, spk_p, spv_g, spv_h, spv_p,
     so_s, so_b, so_h, sa_s, sa_b, sa_h,
     splits, scale, N: tl.constexpr, REP: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr,
-    NQ: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr, ROPE: tl.constexpr, EVICT: tl.constexpr,
+    NQ: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr, ROPE: tl.constexpr, QSPLIT: tl.constexpr,
 ):  # fmt: skip
-    """Program (group·Hkv + kv head)·splits + chunk: the group's N·rep queries of one kv head against
-    one chunk of its boundary keys."""
-    gk, split = pid // splits, pid % splits
+    """Program ((group·Hkv + kv head)·splits + chunk)·QSPLIT + part: part ``part`` of QSPLIT of the
+    group's N·rep queries of one kv head (NQ each) against one chunk of its boundary keys (the QSPLIT
+    programs of a chunk are adjacent, so they read its keys at about the same time)."""
+    chunk_id, part = pid // QSPLIT, pid % QSPLIT
+    gk, split = chunk_id // splits, chunk_id % splits
     g, k = gk // HKV, gk % HKV
-    iq, d = tl.arange(0, NQ), tl.arange(0, D)
+    iq, d = part * NQ + tl.arange(0, NQ), tl.arange(0, D)
     valid_q = iq < N * REP
     b, h = g * N + iq // REP, k * REP + iq % REP
     q_at, cs_at = b[:, None] * sq_b + h[:, None] * sq_h, b[:, None] * scs_b
@@ -147,7 +138,7 @@ def _prefix_program(
     lo = split * CHUNK
     hi = tl.minimum(lo + CHUNK, tl.load(lens + g))
     k_base, v_base = pk + g * spk_g + k * spk_h, pv + g * spv_g + k * spv_h
-    m, s_sum, acc = _attend_range(qb, k_base, v_base, spk_p, spv_p, lo, hi, d, scale, NQ, D, BLOCK, EVICT)
+    m, s_sum, acc = _attend_range(qb, k_base, v_base, spk_p, spv_p, lo, hi, d, scale, NQ, D, BLOCK)
     at = split * so_s + b * so_b + h * so_h
     _store(m_out, l_out, acc_out, at, split * sa_s + b * sa_b + h * sa_h, d, m, s_sum, acc, valid_q)
 
@@ -158,7 +149,7 @@ def _own_program(
     sq_b, sq_h, scs_b, sok_b, sok_h, sok_l, sov_b, sov_h, sov_l, snk_b, snk_h, snv_b, snv_h,
     so_s, so_b, so_h, sa_s, sa_b, sa_h,
     first_split, own_chunks, scale, REP: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr,
-    NQ: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr, ROPE: tl.constexpr, EVICT: tl.constexpr,
+    NQ: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr, ROPE: tl.constexpr,
 ):  # fmt: skip
     """Program (row·Hkv + kv head)·own_chunks + chunk: the row's rep queries of one kv head against one
     chunk of its own keys 0..step (a chunk past the step stores an empty partial). The program whose
@@ -180,7 +171,7 @@ def _own_program(
         tl.store(v_base + now * sov_l + d, tl.load(nv + b * snv_b + k * snv_h + d))
         tl.debug_barrier()  # the block's own stores are visible to its loads below
     hi = tl.minimum(lo + CHUNK, now + 1)
-    m, s_sum, acc = _attend_range(qb, k_base, v_base, sok_l, sov_l, lo, hi, d, scale, NQ, D, BLOCK, EVICT)
+    m, s_sum, acc = _attend_range(qb, k_base, v_base, sok_l, sov_l, lo, hi, d, scale, NQ, D, BLOCK)
     at = split * so_s + b * so_b + h * so_h
     _store(m_out, l_out, acc_out, at, split * sa_s + b * sa_b + h * sa_h, d, m, s_sum, acc, valid_q)
 
@@ -191,60 +182,27 @@ def _partials(
     sq_b, sq_h, scs_b, spk_g, spk_h, spk_p, spv_g, spv_h, spv_p,
     sok_b, sok_h, sok_l, sov_b, sov_h, sov_l, snk_b, snk_h, snv_b, snv_h,
     so_s, so_b, so_h, sa_s, sa_b, sa_h,
-    prefix_programs, splits, own_chunks, scale, pf0, pf0_bytes, pf1, pf1_bytes,
+    prefix_programs, splits, own_chunks, scale,
     N: tl.constexpr, REP: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, NQ_PREFIX: tl.constexpr,
     NQ_OWN: tl.constexpr, PREFIX_CHUNK_: tl.constexpr, OWN_CHUNK_: tl.constexpr, BLOCK: tl.constexpr,
-    ROPE: tl.constexpr, PF: tl.constexpr, PF_START: tl.constexpr, EVICT: tl.constexpr, LANES: tl.constexpr,
+    ROPE: tl.constexpr, QSPLIT: tl.constexpr,
 ):  # fmt: skip
     """One launch for both kinds of partials: programs 0..prefix_programs-1 are prefix programs, the
     rest own-key programs (so the two bandwidth-bound halves share the device instead of queueing)."""
     pid = tl.program_id(0).to(tl.int64)
-    if PF_START:
-        if PF >= 1:
-            _prefetch_l2(pf0, pf0_bytes, pid, tl.num_programs(0), LANES, False)
-        if PF >= 2:
-            _prefetch_l2(pf1, pf1_bytes, pid, tl.num_programs(0), LANES, False)
     if pid < prefix_programs:
         _prefix_program(
             pid, q, cos, sin, pk, pv, lens, m_out, l_out, acc_out,
             sq_b, sq_h, scs_b, spk_g, spk_h, spk_p, spv_g, spv_h, spv_p,
             so_s, so_b, so_h, sa_s, sa_b, sa_h,
-            splits, scale, N, REP, HKV, D, NQ_PREFIX, PREFIX_CHUNK_, BLOCK, ROPE, EVICT,
+            splits, scale, N, REP, HKV, D, NQ_PREFIX, PREFIX_CHUNK_, BLOCK, ROPE, QSPLIT,
         )  # fmt: skip
-        if not PF_START:
-            if PF >= 1:
-                _prefetch_l2(pf0, pf0_bytes, pid, prefix_programs, LANES, False)
-            if PF >= 2:
-                _prefetch_l2(pf1, pf1_bytes, pid, prefix_programs, LANES, False)
     else:
         _own_program(
             pid - prefix_programs, q, cos, sin, ok, ov, nk, nv, step, m_out, l_out, acc_out,
             sq_b, sq_h, scs_b, sok_b, sok_h, sok_l, sov_b, sov_h, sov_l, snk_b, snk_h, snv_b, snv_h,
             so_s, so_b, so_h, sa_s, sa_b, sa_h,
-            splits, own_chunks, scale, REP, HKV, D, NQ_OWN, OWN_CHUNK_, BLOCK, ROPE, EVICT,
-        )  # fmt: skip
-
-
-@_jit
-def _prefetch_l2(region, nbytes, part, parts, LANES: tl.constexpr, EVICT_LAST: tl.constexpr):
-    """Ask the L2 cache to fetch part ``part`` of ``parts`` of the ``nbytes`` bytes at ``region`` (16-byte
-    aligned), one bulk prefetch per lane (PTX ``cp.async.bulk.prefetch.L2``, sm_90): a hint that
-    changes no value and is not waited for."""
-    per = tl.cdiv(tl.cdiv(nbytes, parts * LANES), 16) * 16
-    lane = tl.arange(0, LANES).to(tl.int64)
-    start = (part.to(tl.int64) * LANES + lane) * per
-    size = tl.minimum(per, nbytes - start).to(tl.int32)
-    addr = region.to(tl.pointer_type(tl.uint8)) + start
-    if EVICT_LAST:
-        tl.inline_asm_elementwise(
-            "{ .reg .pred p; .reg .b64 pol; setp.gt.s32 p, $2, 0; createpolicy.fractional.L2::evict_last.b64 pol, 1.0; "
-            "@p cp.async.bulk.prefetch.L2.global.L2::cache_hint [$1], $2, pol; mov.u32 $0, 0; }",
-            "=r,l,r", [addr, size], dtype=tl.int32, is_pure=False, pack=1,
-        )  # fmt: skip
-    else:
-        tl.inline_asm_elementwise(
-            "{ .reg .pred p; setp.gt.s32 p, $2, 0; @p cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0; }",
-            "=r,l,r", [addr, size], dtype=tl.int32, is_pure=False, pack=1,
+            splits, own_chunks, scale, REP, HKV, D, NQ_OWN, OWN_CHUNK_, BLOCK, ROPE,
         )  # fmt: skip
 
 
@@ -292,9 +250,7 @@ def fused_decode_attention(
     num_warps: int = NUM_WARPS,
     num_stages: int = NUM_STAGES,
     merge_warps: int = MERGE_WARPS,
-    prefetch: tuple[torch.Tensor, ...] = (),
-    prefetch_start: bool = False,
-    kv_evict: str = "",
+    query_split: int = QUERY_SPLIT,
 ) -> torch.Tensor:
     """Write the step's key/value into the cache, then attend: one query per row over [its group's
     boundary KV ; its own keys 0..step].
@@ -331,12 +287,12 @@ def fused_decode_attention(
     g, hkv, p = prefix_k.shape[:3]
     _check_inputs(q, prefix_k, prefix_v, prefix_lens, own_k, own_v, new_k, new_v, step, group_size)
     _check_rope(q, cos, sin)
-    knobs = (prefix_chunk, own_chunk, num_warps, num_stages, merge_warps)
-    powers = is_pow2(num_warps) and is_pow2(merge_warps)
+    knobs = (prefix_chunk, own_chunk, num_warps, num_stages, merge_warps, query_split)
+    powers = is_pow2(num_warps) and is_pow2(merge_warps) and is_pow2(query_split)
     if not all(isinstance(c, int) and c >= 1 for c in knobs) or not powers:
         raise ValueError(
-            "fused decode attention needs integer chunk sizes, warps and stages >= 1, warps a power of "
-            f"two, got {knobs}"
+            "fused decode attention needs integer chunk sizes, warps, stages and query split >= 1, warps and "
+            f"query split powers of two, got {knobs}"
         )
     if not is_pow2(block_keys, 16):
         raise ValueError(f"fused decode attention needs block_keys a power of two >= 16, got {block_keys!r}")
@@ -345,20 +301,20 @@ def fused_decode_attention(
     m = torch.empty(splits + own_chunks, b, h, device=q.device, dtype=torch.float32)
     l_ = torch.empty_like(m)
     acc = torch.empty(splits + own_chunks, b, h, d, device=q.device, dtype=torch.float32)
-    prefix_programs = g * hkv * splits
+    nq_prefix = _pow2(group_size * rep)
+    query_split = min(query_split, nq_prefix // 16)  # parts of at least 16 queries (Triton's dot)
+    prefix_programs = g * hkv * splits * query_split
     rope = cos is not None
     cos, sin = (cos, sin) if rope else (q, q)  # unread without RoPE
-    regions = list(prefetch) + [q] * (2 - len(prefetch))
-    nbytes = [t.numel() * t.element_size() if i < len(prefetch) else 0 for i, t in enumerate(regions)]
     _partials[(prefix_programs + b * hkv * own_chunks,)](
         q, cos, sin, prefix_k, prefix_v, prefix_lens, own_k, own_v, new_k, new_v, step, m, l_, acc,
         q.stride(0), q.stride(1), cos.stride(0) if rope else 0, *prefix_k.stride()[:3], *prefix_v.stride()[:3],
         *own_k.stride()[:3], *own_v.stride()[:3], *new_k.stride()[:2], *new_v.stride()[:2],
         *m.stride(), *acc.stride()[:3],
-        prefix_programs, splits, own_chunks, scaling, regions[0], nbytes[0], regions[1], nbytes[1],
-        N=group_size, REP=rep, HKV=hkv, D=d, NQ_PREFIX=_pow2(group_size * rep), NQ_OWN=_pow2(rep),
-        PREFIX_CHUNK_=prefix_chunk, OWN_CHUNK_=own_chunk, BLOCK=block_keys, ROPE=rope,
-        PF=len(prefetch), PF_START=prefetch_start, EVICT=kv_evict, LANES=32 * num_warps,
+        prefix_programs, splits, own_chunks, scaling,
+        N=group_size, REP=rep, HKV=hkv, D=d, NQ_PREFIX=nq_prefix // query_split,
+        NQ_OWN=_pow2(rep), PREFIX_CHUNK_=prefix_chunk, OWN_CHUNK_=own_chunk, BLOCK=block_keys, ROPE=rope,
+        QSPLIT=query_split,
         num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
     out = torch.empty(b, h * d, device=q.device, dtype=q.dtype)

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 
 import torch
 
-from rollplex.rollout.decode_kernel import _jit, _pow2, _prefetch_l2, is_pow2, triton
+from rollplex.rollout.decode_kernel import _jit, _pow2, is_pow2, triton
 
 if triton is not None:
     import triton.language as tl
@@ -69,9 +69,8 @@ def _dot(a, b, acc, IEEE: tl.constexpr):
 
 @_jit
 def _gated(
-    x, w, out, M, INTER, K, up_offset, stride_xm, stride_wn, stride_om, pf, pf_bytes,
+    x, w, out, M, INTER, K, up_offset, stride_xm, stride_wn, stride_om,
     F64: tl.constexpr, IEEE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    PF: tl.constexpr, PF_LAST: tl.constexpr, W_EVICT: tl.constexpr, LANES: tl.constexpr,
 ):  # fmt: skip
     """Program (n tile, m tile): SiLU(x·W_gate[n tile]ᵀ) · (x·W_up[n tile]ᵀ); W_up starts up_offset
     elements after W_gate."""
@@ -92,10 +91,8 @@ def _gated(
         k = k0 + rk
         k_ok = (k < K)[None, :]
         xk = tl.load(x_rows + k[None, :], mask=m_ok[:, None] & k_ok, other=0.0)
-        wg = tl.load(gate_rows + k[None, :], mask=n_ok[:, None] & k_ok, other=0.0, eviction_policy=W_EVICT)
-        gate = _dot(xk, wg, gate, IEEE)
-        wu = tl.load(up_rows + k[None, :], mask=n_ok[:, None] & k_ok, other=0.0, eviction_policy=W_EVICT)
-        up = _dot(xk, wu, up, IEEE)
+        gate = _dot(xk, tl.load(gate_rows + k[None, :], mask=n_ok[:, None] & k_ok, other=0.0), gate, IEEE)
+        up = _dot(xk, tl.load(up_rows + k[None, :], mask=n_ok[:, None] & k_ok, other=0.0), up, IEEE)
     dtype = out.dtype.element_ty
     wide = gate.dtype
     gate = gate.to(dtype).to(wide)
@@ -104,18 +101,10 @@ def _gated(
     tl.store(
         out + rm.to(tl.int64)[:, None] * stride_om + rn[None, :], result, mask=m_ok[:, None] & n_ok[None, :]
     )
-    if PF:
-        if pid_m == 0:
-            _prefetch_l2(pf, pf_bytes, pid_n, tl.num_programs(0), LANES, PF_LAST)
 
 
 def gated_up_product(
-    x: torch.Tensor,
-    gate_up: torch.Tensor,
-    launch: GateLaunch = GateLaunch(),
-    prefetch: torch.Tensor | None = None,
-    prefetch_last: bool = False,
-    weight_evict: str = "",
+    x: torch.Tensor, gate_up: torch.Tensor, launch: GateLaunch = GateLaunch()
 ) -> torch.Tensor:
     """SiLU(x·W_gateᵀ) · (x·W_upᵀ) of the concatenated weight gate_up = [W_gate; W_up].
 
@@ -144,10 +133,8 @@ def gated_up_product(
     stages = min(launch.num_stages, 2) if x.dtype == torch.float64 else launch.num_stages
     _gated[(math.ceil(inter / launch.block_n), math.ceil(m / block_m))](
         x, gate_up, out, m, inter, k, inter * gate_up.stride(0), x.stride(0), gate_up.stride(0), out.stride(0),
-        x if prefetch is None else prefetch, 0 if prefetch is None else prefetch.numel() * prefetch.element_size(),
         F64=x.dtype == torch.float64, IEEE=x.dtype == torch.float32, BLOCK_M=block_m, BLOCK_N=launch.block_n,
-        BLOCK_K=launch.block_k, PF=prefetch is not None, PF_LAST=prefetch_last, W_EVICT=weight_evict,
-        LANES=32 * launch.num_warps, num_warps=launch.num_warps, num_stages=stages,
+        BLOCK_K=launch.block_k, num_warps=launch.num_warps, num_stages=stages,
     )  # fmt: skip
     return out
 
