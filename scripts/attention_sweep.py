@@ -2,13 +2,12 @@
 (8 groups × 4,000 boundary keys, 64 rows, 2 kv heads of 8 queries, D = 128).
 
 For each setting of one grid (``chunks``: keys per prefix and per own-key program; ``launch``: keys per
-inner iteration, warps and pipeline stages of the partials; ``merge``: warps of the merge; ``split``:
-prefix programs per chunk, the group's queries split between them, with chunk, key block and stages) and a few
+inner iteration, warps and pipeline stages of the partials; ``merge``: warps of the merge) and a few
 decode steps, 36 calls, one per
 layer of the 3B model, each on its own keys and values (so no call reads what the previous one left in
 L2), are captured in a CUDA graph and replayed; the table gives microseconds per call and the key/value
 bytes it reads per microsecond.
-Usage (CUDA): python scripts/attention_sweep.py [--grid chunks|launch|merge|split] [--steps 64,256,500] [--out sweep.json]
+Usage (CUDA): python scripts/attention_sweep.py [--grid chunks|launch|merge] [--steps 64,256,500] [--out sweep.json]
 """
 
 from __future__ import annotations
@@ -60,23 +59,16 @@ def main() -> None:
     parser.add_argument("--steps", default="64,256,500", help="decode steps (own keys 0..step)")
     parser.add_argument(
         "--grid",
-        choices=("chunks", "launch", "merge", "split"),
+        choices=("chunks", "launch", "merge"),
         default="chunks",
         help="chunks: keys per prefix and own-key program; launch: keys per inner iteration, warps and "
-        "pipeline stages at the default chunks; merge: the merge launch's warps; split: prefix programs "
-        "per chunk (queries split between them) with keys per prefix program, per iteration and stages",
+        "pipeline stages at the default chunks; merge: the merge launch's warps",
     )
     args = parser.parse_args()
     steps = [int(s) for s in args.steps.split(",")]
     if args.grid == "chunks":
         grid = itertools.product((256, 384, 448, 512, 640, 768, 1024), (256, 512))
         settings = [{"prefix_chunk": pc, "own_chunk": oc} for pc, oc in grid]
-    elif args.grid == "split":
-        grid = itertools.product((1, 2, 4), (512, 256), ((64, 3), (64, 2), (32, 3), (32, 4)))
-        settings = [
-            {"query_split": qs, "prefix_chunk": pc, "block_keys": b, "num_stages": st}
-            for qs, pc, (b, st) in grid
-        ]
     elif args.grid == "merge":
         settings = [{"merge_warps": w} for w in (1, 2, 4, 8)]
     else:

@@ -46,7 +46,6 @@ OWN_CHUNK = 512  # own keys per own-key program (scripts/attention_sweep.py pick
 BLOCK_KEYS = 64  # keys per inner iteration
 NUM_WARPS, NUM_STAGES = 4, 3  # the partials launch (Triton's defaults; the sweep's fastest on one H200)
 MERGE_WARPS = 1  # the merge launch, one (row, head) per program (the sweep's fastest on one H200)
-QUERY_SPLIT = 1  # prefix programs per (group, kv head, chunk), each with N·rep / QUERY_SPLIT queries
 
 
 def supports(heads: int, kv_heads: int, head_dim: int) -> bool:
@@ -122,15 +121,13 @@ def _prefix_program(
     sq_b, sq_h, scs_b, spk_g, spk_h, spk_p, spv_g, spv_h, spv_p,
     so_s, so_b, so_h, sa_s, sa_b, sa_h,
     splits, scale, N: tl.constexpr, REP: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr,
-    NQ: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr, ROPE: tl.constexpr, QSPLIT: tl.constexpr,
+    NQ: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr, ROPE: tl.constexpr,
 ):  # fmt: skip
-    """Program ((group·Hkv + kv head)·splits + chunk)·QSPLIT + part: part ``part`` of QSPLIT of the
-    group's N·rep queries of one kv head (NQ each) against one chunk of its boundary keys (the QSPLIT
-    programs of a chunk are adjacent, so they read its keys at about the same time)."""
-    chunk_id, part = pid // QSPLIT, pid % QSPLIT
-    gk, split = chunk_id // splits, chunk_id % splits
+    """Program (group·Hkv + kv head)·splits + chunk: the group's N·rep queries of one kv head against
+    one chunk of its boundary keys."""
+    gk, split = pid // splits, pid % splits
     g, k = gk // HKV, gk % HKV
-    iq, d = part * NQ + tl.arange(0, NQ), tl.arange(0, D)
+    iq, d = tl.arange(0, NQ), tl.arange(0, D)
     valid_q = iq < N * REP
     b, h = g * N + iq // REP, k * REP + iq % REP
     q_at, cs_at = b[:, None] * sq_b + h[:, None] * sq_h, b[:, None] * scs_b
@@ -185,7 +182,7 @@ def _partials(
     prefix_programs, splits, own_chunks, scale,
     N: tl.constexpr, REP: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, NQ_PREFIX: tl.constexpr,
     NQ_OWN: tl.constexpr, PREFIX_CHUNK_: tl.constexpr, OWN_CHUNK_: tl.constexpr, BLOCK: tl.constexpr,
-    ROPE: tl.constexpr, QSPLIT: tl.constexpr,
+    ROPE: tl.constexpr,
 ):  # fmt: skip
     """One launch for both kinds of partials: programs 0..prefix_programs-1 are prefix programs, the
     rest own-key programs (so the two bandwidth-bound halves share the device instead of queueing)."""
@@ -195,7 +192,7 @@ def _partials(
             pid, q, cos, sin, pk, pv, lens, m_out, l_out, acc_out,
             sq_b, sq_h, scs_b, spk_g, spk_h, spk_p, spv_g, spv_h, spv_p,
             so_s, so_b, so_h, sa_s, sa_b, sa_h,
-            splits, scale, N, REP, HKV, D, NQ_PREFIX, PREFIX_CHUNK_, BLOCK, ROPE, QSPLIT,
+            splits, scale, N, REP, HKV, D, NQ_PREFIX, PREFIX_CHUNK_, BLOCK, ROPE,
         )  # fmt: skip
     else:
         _own_program(
@@ -250,7 +247,6 @@ def fused_decode_attention(
     num_warps: int = NUM_WARPS,
     num_stages: int = NUM_STAGES,
     merge_warps: int = MERGE_WARPS,
-    query_split: int = QUERY_SPLIT,
 ) -> torch.Tensor:
     """Write the step's key/value into the cache, then attend: one query per row over [its group's
     boundary KV ; its own keys 0..step].
@@ -287,12 +283,12 @@ def fused_decode_attention(
     g, hkv, p = prefix_k.shape[:3]
     _check_inputs(q, prefix_k, prefix_v, prefix_lens, own_k, own_v, new_k, new_v, step, group_size)
     _check_rope(q, cos, sin)
-    knobs = (prefix_chunk, own_chunk, num_warps, num_stages, merge_warps, query_split)
-    powers = is_pow2(num_warps) and is_pow2(merge_warps) and is_pow2(query_split)
+    knobs = (prefix_chunk, own_chunk, num_warps, num_stages, merge_warps)
+    powers = is_pow2(num_warps) and is_pow2(merge_warps)
     if not all(isinstance(c, int) and c >= 1 for c in knobs) or not powers:
         raise ValueError(
-            "fused decode attention needs integer chunk sizes, warps, stages and query split >= 1, warps and "
-            f"query split powers of two, got {knobs}"
+            "fused decode attention needs integer chunk sizes, warps and stages >= 1, warps a power of "
+            f"two, got {knobs}"
         )
     if not is_pow2(block_keys, 16):
         raise ValueError(f"fused decode attention needs block_keys a power of two >= 16, got {block_keys!r}")
@@ -301,9 +297,7 @@ def fused_decode_attention(
     m = torch.empty(splits + own_chunks, b, h, device=q.device, dtype=torch.float32)
     l_ = torch.empty_like(m)
     acc = torch.empty(splits + own_chunks, b, h, d, device=q.device, dtype=torch.float32)
-    nq_prefix = _pow2(group_size * rep)
-    query_split = min(query_split, nq_prefix // 16)  # parts of at least 16 queries (Triton's dot)
-    prefix_programs = g * hkv * splits * query_split
+    prefix_programs = g * hkv * splits
     rope = cos is not None
     cos, sin = (cos, sin) if rope else (q, q)  # unread without RoPE
     _partials[(prefix_programs + b * hkv * own_chunks,)](
@@ -312,9 +306,8 @@ def fused_decode_attention(
         *own_k.stride()[:3], *own_v.stride()[:3], *new_k.stride()[:2], *new_v.stride()[:2],
         *m.stride(), *acc.stride()[:3],
         prefix_programs, splits, own_chunks, scaling,
-        N=group_size, REP=rep, HKV=hkv, D=d, NQ_PREFIX=nq_prefix // query_split,
-        NQ_OWN=_pow2(rep), PREFIX_CHUNK_=prefix_chunk, OWN_CHUNK_=own_chunk, BLOCK=block_keys, ROPE=rope,
-        QSPLIT=query_split,
+        N=group_size, REP=rep, HKV=hkv, D=d, NQ_PREFIX=_pow2(group_size * rep), NQ_OWN=_pow2(rep),
+        PREFIX_CHUNK_=prefix_chunk, OWN_CHUNK_=own_chunk, BLOCK=block_keys, ROPE=rope,
         num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
     out = torch.empty(b, h * d, device=q.device, dtype=q.dtype)

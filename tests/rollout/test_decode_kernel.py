@@ -184,32 +184,13 @@ def test_launch_knobs_change_no_result(knobs):
     assert (fused - dense).abs().max() <= TOL
 
 
-@pytest.mark.parametrize(("n", "split"), [(4, 2), (8, 2), (8, 4), (8, 8), (1, 4)])
-def test_query_split_changes_no_result(n, split):
-    """Prefix programs that each take N·rep / split of a group's queries (rep 8: 32 or 64 queries) give
-    the dense result; a split that would leave fewer than 16 queries per program is capped (8 with 64
-    queries runs as 4; N = 1 as 1)."""
-    q, pk, pv, lens, own_k, own_v, step, shape = _case(11, n=n, rep=8, window=300, step=200)
-    dense = _dense(q, pk, pv, lens, own_k, own_v, step, shape)
-    fused = _fused(q, pk, pv, lens, own_k, own_v, step, shape.scaling, n, query_split=split)
-    assert (fused - dense).abs().max() <= TOL
-
-
 @pytest.mark.parametrize(
     "knobs",
-    [
-        {"block_keys": 48},
-        {"block_keys": 8},
-        {"num_warps": 0},
-        {"num_warps": 3},
-        {"merge_warps": 0},
-        {"query_split": 3},
-        {"query_split": 0},
-    ],
+    [{"block_keys": 48}, {"block_keys": 8}, {"num_warps": 0}, {"num_warps": 3}, {"merge_warps": 0}],
 )
 def test_launch_knobs_are_checked(knobs):
     q, pk, pv, lens, own_k, own_v, step, shape = _case(6)
-    with pytest.raises(ValueError, match="block_keys|warps|query split"):
+    with pytest.raises(ValueError, match="block_keys|warps"):
         _fused(q, pk, pv, lens, own_k, own_v, step, shape.scaling, 3, **knobs)
 
 

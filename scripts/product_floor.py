@@ -1,0 +1,99 @@
+"""The decode step's products at the 3B shape, each captured 36 times in one CUDA graph (µs per product).
+
+``blas``: cuBLAS against cuBLASLt at 64 rows (36 layers' weights; whether cuBLASLt's result is bitwise
+cuBLAS's), and the graph's floor: an empty kernel and a tiny elementwise one.
+``rows``: cuBLAS at 8..128 rows, "cold" (36 layers' weights, read from memory) and "hot" (one weight 36
+times, L2-resident): how much of a product's time is its bytes.
+
+Usage (CUDA): python scripts/product_floor.py [--what blas,rows] [--out floor.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import torch
+import torch.nn.functional as F
+
+LAYERS = 36
+SHAPES = {"qkv": (2560, 2048), "o": (2048, 2048), "gate_up": (22016, 2048), "down": (2048, 11008)}
+
+
+def timed(calls, reps: int = 20) -> float:
+    """µs per product of ``calls`` (LAYERS products) captured in one CUDA graph; median of five timings
+    of ``reps`` replays."""
+    calls()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        calls()
+    graph.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(5):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(reps):
+            graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3 / reps / LAYERS)
+    return sorted(times)[2]
+
+
+def _weights(n: int, k: int) -> list[torch.Tensor]:
+    return [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) for _ in range(LAYERS)]
+
+
+def blas() -> dict:
+    tiny = torch.randn(64, 2048, device="cuda", dtype=torch.bfloat16)
+    res = {
+        "empty_kernel": timed(lambda: [torch.cuda._sleep(0) for _ in range(LAYERS)]),
+        "tiny_add_64x2048": timed(lambda: [tiny.add_(1) for _ in range(LAYERS)]),
+    }
+    for name, (n, k) in SHAPES.items():
+        ws = _weights(n, k)
+        bs = [torch.randn(n, device="cuda", dtype=torch.bfloat16) if name == "qkv" else None for _ in ws]
+        x = torch.randn(64, k, device="cuda", dtype=torch.bfloat16)
+        ref = F.linear(x, ws[0], bs[0])
+        for lib in ("cublas", "cublaslt"):
+            torch.backends.cuda.preferred_blas_library(lib)
+            us = timed(lambda x=x, ws=ws, bs=bs: [F.linear(x, w, b) for w, b in zip(ws, bs, strict=True)])
+            res[f"{name}/{lib}"] = {"us": us, "bitwise_cublas": torch.equal(F.linear(x, ws[0], bs[0]), ref)}
+        torch.backends.cuda.preferred_blas_library("cublas")
+    return res
+
+
+def rows() -> dict:
+    res = {}
+    for name, (n, k) in SHAPES.items():
+        if name == "gate_up":
+            continue
+        ws = _weights(n, k)
+        for m in (8, 16, 32, 64, 128):
+            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+            cold = timed(lambda x=x, ws=ws: [F.linear(x, w) for w in ws])
+            hot = timed(lambda x=x, ws=ws: [F.linear(x, ws[0]) for _ in ws])
+            res[f"{name}/M{m}"] = {"cold_us": cold, "hot_us": hot}
+    return res
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--what", default="blas,rows")
+    parser.add_argument("--out", help="write the results as JSON here")
+    args = parser.parse_args()
+    torch.manual_seed(0)
+    res = {"gpu": torch.cuda.get_device_name()}
+    for what in args.what.split(","):
+        res[what] = {"blas": blas, "rows": rows}[what]()
+        for key, value in res[what].items():
+            print(f"{what} {key}: {value}", flush=True)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(res, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
