@@ -12,9 +12,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 
 import torch
 import torch.nn.functional as F
+
+from rollplex.bench.common import replay_us
 
 LAYERS = 36
 SHAPES = {"qkv": (2560, 2048), "o": (2048, 2048), "gate_up": (22016, 2048), "down": (2048, 11008)}
@@ -22,24 +25,10 @@ SHAPES = {"qkv": (2560, 2048), "o": (2048, 2048), "gate_up": (22016, 2048), "dow
 
 def timed(calls, reps: int = 20) -> float:
     """µs per product of ``calls`` (LAYERS products) captured in one CUDA graph; median of five timings
-    of ``reps`` replays."""
-    calls()
+    of ``reps`` replays (``bench.common.replay_us``)."""
+    calls()  # cuBLAS handles and workspaces before capture
     torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        calls()
-    graph.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(5):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(reps):
-            graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / reps / LAYERS)
-    return sorted(times)[2]
+    return statistics.median(replay_us(calls, LAYERS, reps, repeats=5))
 
 
 def _weights(n: int, k: int) -> list[torch.Tensor]:
