@@ -13,18 +13,13 @@ profiled pass compiles nothing.
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import torch
 import torch.nn.functional as F
+from attention_sweep import _inputs  # the attention sweep's 3B-shaped inputs (scripts/ is sys.path[0])
 
-sys.path.insert(0, str(Path(__file__).parent))
-from attention_sweep import _inputs  # noqa: E402 - the attention sweep's 3B-shaped inputs
-
-from rollplex.rollout.decode_kernel import fused_decode_attention  # noqa: E402
-from rollplex.rollout.linear_kernel import gated_up_product  # noqa: E402
-from rollplex.rollout.sample_kernel import fused_race  # noqa: E402
+from rollplex.rollout.decode_kernel import fused_decode_attention
+from rollplex.rollout.linear_kernel import gated_up_product
+from rollplex.rollout.sample_kernel import fused_race
 
 ROWS, HIDDEN, INTER, KV, VOCAB, STEP = 64, 2048, 11008, 256, 151_936, 240
 
