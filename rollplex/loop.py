@@ -52,13 +52,18 @@ log = logging.getLogger("rollplex")
 
 
 def load_model(
-    path: str, dtype: torch.dtype, device: torch.device, trainable: bool, vision_attention: str = "batched"
+    path: str,
+    dtype: torch.dtype,
+    device: torch.device,
+    trainable: bool,
+    vision_attention: str = "batched",
+    vision_mlp_padding: bool = True,
 ):
     """A Qwen2.5-VL checkpoint folder as a model routed through rollplex attention (``prepare_model``)."""
     from transformers import Qwen2_5_VLForConditionalGeneration
 
     model = Qwen2_5_VLForConditionalGeneration.from_pretrained(path, dtype=dtype).to(device)
-    prepare_model(model, vision_attention)
+    prepare_model(model, vision_attention, vision_mlp_padding)
     model.train(False)
     model.requires_grad_(trainable)
     return model
@@ -141,8 +146,11 @@ def build_run(cfg: Config) -> Run:
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # cuBLAS refuses determinism without it
         torch.use_deterministic_algorithms(True)
     processor = AutoProcessor.from_pretrained(cfg.model.path)
-    vision = cfg.model.vision_attention
-    actor = load_model(cfg.model.path, dtype, device, trainable=True, vision_attention=vision)
+    vision = {
+        "vision_attention": cfg.model.vision_attention,
+        "vision_mlp_padding": cfg.model.vision_mlp_padding,
+    }
+    actor = load_model(cfg.model.path, dtype, device, trainable=True, **vision)
     if cfg.model.freeze_vision:
         actor.model.visual.requires_grad_(False)
     if cfg.model.gradient_checkpointing:
@@ -150,7 +158,7 @@ def build_run(cfg: Config) -> Run:
         enable_checkpointing(actor)
     reference = None
     if cfg.algo.kl_coef > 0:
-        reference = load_model(cfg.model.path, dtype, device, trainable=False, vision_attention=vision)
+        reference = load_model(cfg.model.path, dtype, device, trainable=False, **vision)
     banned, eos_ids, pad = special_ids(actor, processor.tokenizer, cfg.model.path)
     sampling = SamplingParams.from_config(cfg.rollout, eos_ids, pad, banned.to(device))
     optimizer = MasterWeightAdamW.for_model(actor, cfg.optim)

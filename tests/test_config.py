@@ -33,7 +33,13 @@ SPEC_DEFAULTS = {
         "decode_priority": True, "prefix_chunk_groups": 0, "prefix_sm_carveout": 0, "auto_trials": 2, "progress": True,
         "log_every": 10,
     },
-    "model": {"path": "", "freeze_vision": False, "gradient_checkpointing": False, "vision_attention": "batched"},
+    "model": {
+        "path": "",
+        "freeze_vision": False,
+        "gradient_checkpointing": False,
+        "vision_attention": "batched",
+        "vision_mlp_padding": True,
+    },
     "data": {
         "train_path": "", "val_path": "", "data_root": "", "template": "video_r1", "max_prompt_tokens": 8192,
         "shuffle": True, "video_fps": 2.0, "video_min_frames": 4, "video_max_frames": 16,

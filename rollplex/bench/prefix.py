@@ -14,7 +14,8 @@ Reported per role: median step time and peak device memory above the weights, an
 the suffix-pass peak memory for several N at fixed prompt length (it must grow with N·R, not N·P),
 and the bf16 agreement of the two ways' log-probs. The ``vision`` part times the prefix pass alone
 (vision tower + prompt prefill of every group; detached, and attached with backward) under each
-``model.vision_attention``, side by side in one process.
+``model.vision_attention``, and batched without ``model.vision_mlp_padding``, side by side in one
+process.
 """
 
 from __future__ import annotations
@@ -37,7 +38,6 @@ from rollplex.bench.common import (
     synthetic_prompt,
     text_id_range,
 )
-from rollplex.config import VISION_ATTENTION
 from rollplex.models.attention import PrefixPlan
 from rollplex.models.forward import (
     _decoder,
@@ -247,16 +247,24 @@ def _prefix_pass(model, prompts, banned, attached: bool) -> None:
             torch.stack([t.float().mean() for t in state.keys + state.values]).sum().backward()
 
 
+VISION_ROWS = {  # row name: (model.vision_attention, model.vision_mlp_padding)
+    "per_chunk": ("per_chunk", True),
+    "batched-unpadded-mlp": ("batched", False),
+    "batched": ("batched", True),
+}
+
+
 def _vision_attention(model, prompts, cfg, banned, device) -> dict:
-    """Seconds and peak GiB of the prefix pass under each ``model.vision_attention``, detached
-    (reference, rollout) and attached with backward (actor); speedup = per_chunk / that mode."""
+    """Seconds and peak GiB of the prefix pass under each ``model.vision_attention``, and batched without
+    ``model.vision_mlp_padding`` (VISION_ROWS), detached (reference, rollout) and attached with backward
+    (actor); speedup = per_chunk / that row."""
     rows = {}
-    for mode in VISION_ATTENTION:
-        prepare_model(model, mode)
+    for mode, (attention, padding) in VISION_ROWS.items():
+        prepare_model(model, attention, padding)
         for role, attached in (("reference", False), ("actor", True)):
             with torch.enable_grad() if attached else torch.no_grad():
                 seconds, peak, _ = _measure(
-                    f"prefix pass {role}, vision attention {mode}",
+                    f"prefix pass {role}, vision {mode}",
                     partial(_prefix_pass, model, prompts, banned, attached),
                     partial(_prefix_pass, model, prompts[:1], banned, attached),
                     cfg.repeats,

@@ -32,16 +32,18 @@ from rollplex.models.attention import (
     suffix_bool_mask,
 )
 from rollplex.models.positions import response_positions
+from rollplex.models.vision_mlp import set_vision_mlp_padding
 from rollplex.rollout.sampler import entropy as entropy_of
 from rollplex.rollout.sampler import token_logprobs
 from rollplex.types import PrefixState, Prompt
 
 
-def prepare_model(model, vision_attention: str = "batched") -> None:
+def prepare_model(model, vision_attention: str = "batched", vision_mlp_padding: bool = True) -> None:
     """Route the language model's attention through rollplex; the vision tower's windows and frames
     through ``models.attention.chunked_attention``, one SDPA call per distinct chunk length
     (``batched``), or through the backend transformers chose when the model was built, one call per
-    chunk (``per_chunk``). Calling it again switches the vision tower between the two.
+    chunk (``per_chunk``); with ``vision_mlp_padding``, the vision blocks' MLP on zero-padded weights
+    (models.vision_mlp). Calling it again switches the vision tower between these.
 
     Raises:
         ValueError: an unknown ``vision_attention``.
@@ -57,6 +59,7 @@ def prepare_model(model, vision_attention: str = "batched") -> None:
     name = VISION_ATTENTION_NAME if vision_attention == "batched" else model.rollplex_vision_default
     model.config.vision_config._attn_implementation = name
     visual._attn_implementation = name
+    set_vision_mlp_padding(model, vision_mlp_padding)
 
 
 def enable_checkpointing(model) -> None:

@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 
-from rollplex.bench.prefix import PrefixBenchConfig, run_prefix_bench
+from rollplex.bench.prefix import VISION_ROWS, PrefixBenchConfig, run_prefix_bench
 from rollplex.config import VISION_ATTENTION
 
 
@@ -29,15 +29,16 @@ def test_tiny_bench_runs_and_agrees(tmp_path):
     assert json.loads((tmp_path / "out.json").read_text())["prompt_tokens"] == 20 + 2 * 4 * 4 // 4
 
 
-def test_vision_part_times_both_modes(tmp_path):
+def test_vision_part_times_every_row(tmp_path):
+    """Both attention modes and batched without the padded MLP, each model setting restored after."""
     cfg = PrefixBenchConfig(
         preset="tiny", groups=2, group_size=2, response_tokens=4, text_tokens=12, grid=(2, 4, 4),
         dtype="float32", parts=("vision",),
     )  # fmt: skip
     result = run_prefix_bench(cfg, tmp_path / "out.json")
-    assert set(result.vision_attention) == {
-        f"{r}/{m}" for r in ("reference", "actor") for m in VISION_ATTENTION
-    }
+    assert {mode for mode, _ in VISION_ROWS.values()} == set(VISION_ATTENTION)
+    assert {padding for _, padding in VISION_ROWS.values()} == {True, False}
+    assert set(result.vision_attention) == {f"{r}/{m}" for r in ("reference", "actor") for m in VISION_ROWS}
     assert all(row["seconds"] > 0 for row in result.vision_attention.values())
 
 
