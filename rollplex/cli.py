@@ -117,6 +117,7 @@ WORKLOAD_FIELDS = (
     "grid",
     "dtype",
     "vision_attention",
+    "vision_mlp_padding",
 )
 
 
@@ -181,6 +182,11 @@ def _add_workload_arguments(p: argparse.ArgumentParser) -> None:
         "--vision-attention",
         choices=VISION_ATTENTION,
         help="vision tower attention (default batched; model.vision_attention)",
+    )
+    p.add_argument(
+        "--vision-mlp-padding",
+        action=argparse.BooleanOptionalAction,
+        help="vision MLP on zero-padded aligned weights (default on; model.vision_mlp_padding)",
     )
     p.add_argument("--out", type=Path, help="write the results as JSON here")
 

@@ -263,6 +263,7 @@ def test_bench_schedule_options_reach_the_config(monkeypatch):
             "--no-fused-gate",
             "--vision-attention",
             "per_chunk",
+            "--no-vision-mlp-padding",
             "--compile-mode",
             "max-autotune",
         ]
@@ -276,4 +277,5 @@ def test_bench_schedule_options_reach_the_config(monkeypatch):
         False,
     )
     assert (seen[0].vision_attention, seen[1].vision_attention) == ("batched", "per_chunk")
+    assert (seen[0].vision_mlp_padding, seen[1].vision_mlp_padding) == (True, False)
     assert (seen[0].compile_mode, seen[1].compile_mode) == ("default", "max-autotune")

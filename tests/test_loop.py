@@ -89,6 +89,35 @@ def test_batched_vision_attention_trains_the_same(assets, tmp_path, monkeypatch)
     assert max(float((a[k] - b[k]).abs().max()) for k in a) <= 1e-6
 
 
+def test_padded_vision_mlp_trains_the_same(assets, tmp_path, monkeypatch):
+    """Two steps with ``model.vision_mlp_padding`` reach the unpadded run's weights (float32 on the CPU,
+    the alignment forced to 160 bytes: the tiny widths need no padding at 16), the setting reaches both
+    the actor and the reference, and the padded products ran."""
+    from rollplex.models import forward, vision_mlp
+
+    switches, padded_calls = [], []
+    set_padding, padded_mlp = vision_mlp.set_vision_mlp_padding, vision_mlp.padded_mlp
+
+    def spy_switch(model, on):
+        switches.append(on)
+        return set_padding(model, on)
+
+    def spy_mlp(mlp, x, align_bytes=vision_mlp.ALIGN_BYTES):
+        padded_calls.append(vision_mlp.padded_width(mlp.gate_proj.out_features, x.dtype, align_bytes))
+        return padded_mlp(mlp, x, align_bytes)
+
+    monkeypatch.setattr(forward, "set_vision_mlp_padding", spy_switch)
+    monkeypatch.setattr(vision_mlp, "padded_mlp", spy_mlp)
+    monkeypatch.setattr(vision_mlp, "ALIGN_BYTES", 160)
+    plain = train(_config(assets, tmp_path / "plain", 2, **{"model.vision_mlp_padding": False}))
+    assert switches == [False, False] and not padded_calls  # actor and reference, unpadded
+    padded = train(_config(assets, tmp_path / "padded", 2, **{"model.vision_mlp_padding": True}))
+    assert switches == [False, False, True, True]
+    assert padded_calls and all(width > 64 for width in padded_calls)  # 64 → 80 wide
+    a, b = _weights(plain), _weights(padded)
+    assert max(float((a[k] - b[k]).abs().max()) for k in a) <= 1e-6
+
+
 def test_run_artefacts(assets, tmp_path):
     run = train(_config(assets, tmp_path / "run", 2))
     rows = _metrics(run)

@@ -35,6 +35,7 @@ class Workload:
     grid: tuple[int, int, int] = (16, 20, 44)  # 32 frames of 280×616 px: 3,520 video tokens
     dtype: str = "bfloat16"
     vision_attention: str = "batched"  # model.vision_attention
+    vision_mlp_padding: bool = True  # model.vision_mlp_padding
 
 
 def bench_device(preset: str) -> torch.device:
@@ -54,16 +55,32 @@ def bench_device(preset: str) -> torch.device:
 
 
 def random_model(
-    preset: str, device: torch.device, dtype: torch.dtype, seed: int = 0, vision_attention: str = "batched"
+    preset: str,
+    device: torch.device,
+    dtype: torch.dtype,
+    seed: int = 0,
+    vision_attention: str = "batched",
+    vision_mlp_padding: bool = True,
 ):
     """Preset ``preset`` with random weights built directly on ``device``, routed through rollplex
     attention (``prepare_model``), in inference mode (dropout off)."""
     from rollplex.models.presets import init_model
 
     model = init_model(preset, seed=seed, dtype=dtype, device=device)
-    prepare_model(model, vision_attention)
+    prepare_model(model, vision_attention, vision_mlp_padding)
     model.train(False)
     return model
+
+
+def workload_model(cfg: Workload, device: torch.device):
+    """``random_model`` of the workload's preset, dtype and vision settings."""
+    return random_model(
+        cfg.preset,
+        device,
+        getattr(torch, cfg.dtype),
+        vision_attention=cfg.vision_attention,
+        vision_mlp_padding=cfg.vision_mlp_padding,
+    )
 
 
 @dataclass(frozen=True)

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from rollplex.bench.common import PromptShape, Workload, bench_device, random_model, synthetic_prompt
+from rollplex.bench.common import PromptShape, Workload, bench_device, synthetic_prompt, workload_model
 from rollplex.bench.variants import DECODE_VARIANTS, DEFAULT_VARIANTS
 from rollplex.models.forward import prefix_forward
 from rollplex.models.presets import vision_special_ids
@@ -94,7 +94,7 @@ def decode_workload(cfg: Workload) -> tuple:
     """
     device = bench_device(cfg.preset)
     dtype = getattr(torch, cfg.dtype)
-    model = random_model(cfg.preset, device, dtype, vision_attention=cfg.vision_attention)
+    model = workload_model(cfg, device)
     model.requires_grad_(False)
     shape = PromptShape(cfg.text_tokens, cfg.grid)
     prompts = [synthetic_prompt(model, shape, seed=g, device=device, dtype=dtype) for g in range(cfg.groups)]

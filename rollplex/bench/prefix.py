@@ -34,9 +34,9 @@ from rollplex.bench.common import (
     bench_device,
     median,
     peak_gib,
-    random_model,
     synthetic_prompt,
     text_id_range,
+    workload_model,
 )
 from rollplex.models.attention import PrefixPlan
 from rollplex.models.forward import (
@@ -146,7 +146,7 @@ def run_prefix_bench(cfg: PrefixBenchConfig, out: Path | None = None) -> PrefixB
         raise ValueError(f"bench prefix parts {sorted(unknown)}: expected a subset of {PARTS}")
     device = bench_device(cfg.preset)
     dtype = getattr(torch, cfg.dtype)
-    model = random_model(cfg.preset, device, dtype, vision_attention=cfg.vision_attention)
+    model = workload_model(cfg, device)
     model.requires_grad_(True)
     banned = torch.tensor([model.config.image_token_id, model.config.video_token_id], device=device)
     shape = PromptShape(cfg.text_tokens, cfg.grid)
@@ -162,7 +162,7 @@ def run_prefix_bench(cfg: PrefixBenchConfig, out: Path | None = None) -> PrefixB
         result.suffix_memory = _suffix_memory(model, prompts[0], cfg, banned, device)
     if "vision" in cfg.parts:
         result.vision_attention = _vision_attention(model, prompts, cfg, banned, device)
-        prepare_model(model, cfg.vision_attention)
+        prepare_model(model, cfg.vision_attention, cfg.vision_mlp_padding)
     _print(result)
     if out is not None:
         out.parent.mkdir(parents=True, exist_ok=True)

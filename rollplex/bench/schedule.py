@@ -30,7 +30,7 @@ from pathlib import Path
 
 import torch
 
-from rollplex.bench.common import PromptShape, Workload, bench_device, random_model, synthetic_prompt
+from rollplex.bench.common import PromptShape, Workload, bench_device, synthetic_prompt, workload_model
 from rollplex.bench.decode import copy_bandwidth, step_bytes
 from rollplex.config import load_config
 from rollplex.models.forward import enable_checkpointing
@@ -86,7 +86,7 @@ class _Workload:
         from rollplex.models.tokenizer import build_tokenizer
 
         dtype = getattr(torch, cfg.dtype)
-        self.actor = random_model(cfg.preset, device, dtype, vision_attention=cfg.vision_attention)
+        self.actor = workload_model(cfg, device)
         if cfg.gradient_checkpointing:
             enable_checkpointing(self.actor)
         self.reference = copy.deepcopy(self.actor).requires_grad_(False)

@@ -30,7 +30,7 @@ def test_tiny_bench_runs_and_agrees(tmp_path):
 
 
 def test_vision_part_times_every_row(tmp_path):
-    """Both attention modes and batched without the padded MLP, each model setting restored after."""
+    """Both attention modes, and batched without the padded MLP (VISION_ROWS)."""
     cfg = PrefixBenchConfig(
         preset="tiny", groups=2, group_size=2, response_tokens=4, text_tokens=12, grid=(2, 4, 4),
         dtype="float32", parts=("vision",),

@@ -21,7 +21,7 @@ def _mlp(hidden: int, inter: int, bias: bool, dtype=torch.float64, device="cpu")
     torch.manual_seed(0)
     config = SimpleNamespace(hidden_size=hidden, intermediate_size=inter, hidden_act="silu")
     mlp = Qwen2_5_VLMLP(config, bias=bias).to(device=device, dtype=dtype)
-    if bias:  # nonzero biases: a bias padded with anything but zeros would show
+    if bias:  # nonzero biases, as trained weights have (the padded units' zeros come from the pads)
         with torch.no_grad():
             for linear in (mlp.gate_proj, mlp.up_proj, mlp.down_proj):
                 linear.bias.normal_()
@@ -106,15 +106,31 @@ def test_switching_keeps_parameters_and_survives_copies():
     from transformers import Qwen2_5_VLForConditionalGeneration
 
     model = Qwen2_5_VLForConditionalGeneration(tiny_config())
-    keys = list(model.state_dict())
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    keys = list(before)
     prepare_model(model)
     assert all(type(b.mlp) is PaddedVisionMLP for b in model.model.visual.blocks)
-    assert list(model.state_dict()) == keys
+    after = model.state_dict()
+    assert list(after) == keys and all(torch.equal(before[k], after[k]) for k in keys)
     assert type(copy.deepcopy(model).model.visual.blocks[0].mlp) is PaddedVisionMLP
     assert set_vision_mlp_padding(model, True) == 0  # already padded
     prepare_model(model, vision_mlp_padding=False)
     assert all(type(b.mlp) is Qwen2_5_VLMLP for b in model.model.visual.blocks)
     assert list(model.state_dict()) == keys
+
+
+def test_wrapped_projections_are_left_alone(caplog):
+    """A projection with a forward hook (as adapters and offloading add) would be bypassed by the padded
+    forward: that block keeps transformers' MLP, with a warning; the other block is padded."""
+    from transformers import Qwen2_5_VLForConditionalGeneration
+
+    model = Qwen2_5_VLForConditionalGeneration(tiny_config())
+    hooked = model.model.visual.blocks[0].mlp
+    hooked.up_proj.register_forward_hook(lambda module, args, out: out)
+    with caplog.at_level("WARNING"):
+        assert set_vision_mlp_padding(model, True) == 1
+    assert type(hooked) is Qwen2_5_VLMLP and type(model.model.visual.blocks[1].mlp) is PaddedVisionMLP
+    assert "left 1 of 2 vision blocks unpadded" in caplog.text
 
 
 @pytest.mark.gpu
