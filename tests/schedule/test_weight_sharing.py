@@ -1,0 +1,66 @@
+"""B16 (field cases): the rollout reads the trainer's current weights. With a tied and an untied output
+head, and a trainable vision tower, every rollout after an update scores its tokens as the trainer does
+under the same θ_k; the update reaches the head, the embedding and the vision tower; tying survives the
+update; and a step never touches the frozen reference model."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from rollplex.loop import build_run
+from rollplex.observe.metrics import PhaseTimer
+from rollplex.schedule import make_step
+from tests.schedule.test_same_update import SCHEDULES
+from tests.test_loop import _config, assets  # noqa: F401  (fixture)
+
+HEAD, EMBEDDING = "lm_head.weight", "model.language_model.embed_tokens.weight"
+
+
+def _checkpoint(assets, tmp_path, tie: bool):  # noqa: F811
+    """The tiny test checkpoint (untied), or a copy that ties the head to the embedding as published tied
+    checkpoints do (Qwen2.5-VL-3B): ``tie_word_embeddings`` in the config, no ``lm_head.weight`` stored."""
+    model, _ = assets
+    if not tie:
+        return model
+    tied = tmp_path / "tied-model"
+    shutil.copytree(model, tied)
+    config = json.loads((tied / "config.json").read_text())
+    config["tie_word_embeddings"] = config["text_config"]["tie_word_embeddings"] = True
+    (tied / "config.json").write_text(json.dumps(config))
+    weights = load_file(tied / "model.safetensors")
+    del weights[HEAD]
+    save_file(weights, tied / "model.safetensors", metadata={"format": "pt"})
+    return tied
+
+
+@pytest.mark.parametrize("schedule", ["serial", "rollplex"])
+@pytest.mark.parametrize("tie", [False, True])
+def test_b16_rollouts_read_the_updated_weights(assets, tmp_path, tie, schedule):  # noqa: F811
+    path = _checkpoint(assets, tmp_path, tie)
+    cfg = _config(
+        assets, tmp_path / "run", 3, **{"model.path": str(path), "algo.kl_coef": 0.05, **SCHEDULES[schedule]}
+    )
+    run = build_run(cfg)
+    actor, reference = run.roles.actor, run.roles.reference
+    assert (actor.lm_head.weight.data_ptr() == actor.get_input_embeddings().weight.data_ptr()) == tie
+    before = {k: v.clone() for k, v in actor.state_dict().items()}
+    reference_before = {k: v.clone() for k, v in reference.state_dict().items()}
+    step = make_step(cfg, run.device)
+    diffs = []
+    for _ in range(3):
+        _, stats, _, _ = step(run.roles, run.train.next_batch(), PhaseTimer())
+        diffs.append(max(s.logprob_diff_max for s in stats))
+    # the rollout's recorded log-probs are the trainer's under the same weights, after updates as before
+    assert max(diffs) <= 1e-4, diffs
+    after = actor.state_dict()
+    changed = {k for k in before if not torch.equal(before[k], after[k])}
+    assert {HEAD, EMBEDDING} <= changed
+    assert any(k.startswith("model.visual.") for k in changed)
+    assert (actor.lm_head.weight.data_ptr() == actor.get_input_embeddings().weight.data_ptr()) == tie
+    assert tie == torch.equal(after[HEAD], after[EMBEDDING])
+    assert all(torch.equal(v, reference.state_dict()[k]) for k, v in reference_before.items())
