@@ -12,11 +12,11 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from rollplex.loop import build_run
+from rollplex.loop import build_run, train
 from rollplex.observe.metrics import PhaseTimer
 from rollplex.schedule import make_step
 from tests.schedule.test_same_update import SCHEDULES
-from tests.test_loop import _config, assets  # noqa: F401  (fixture)
+from tests.test_loop import _config, _weights, assets  # noqa: F401  (fixture)
 
 HEAD, EMBEDDING = "lm_head.weight", "model.language_model.embed_tokens.weight"
 
@@ -64,3 +64,22 @@ def test_b16_rollouts_read_the_updated_weights(assets, tmp_path, tie, schedule):
     assert (actor.lm_head.weight.data_ptr() == actor.get_input_embeddings().weight.data_ptr()) == tie
     assert tie == torch.equal(after[HEAD], after[EMBEDDING])
     assert all(torch.equal(v, reference.state_dict()[k]) for k, v in reference_before.items())
+
+
+def test_b16_tied_checkpoint_round_trip(assets, tmp_path, caplog):  # noqa: F811
+    """A trained tied model's HF checkpoint stays tied: no separate head tensor stored, and transformers
+    loads it with the head tied to the trained embedding (no untie warning), equal to the saved values."""
+    from transformers import Qwen2_5_VLForConditionalGeneration
+
+    path = _checkpoint(assets, tmp_path, tie=True)
+    run = train(_config(assets, tmp_path / "run", 2, **{"model.path": str(path)}))
+    saved = _weights(run)
+    assert HEAD not in saved
+    latest = (run / "checkpoints" / "latest").read_text().strip()
+    with caplog.at_level("WARNING"):
+        model = Qwen2_5_VLForConditionalGeneration.from_pretrained(run / "checkpoints" / latest / "hf")
+    assert "NOT tie" not in caplog.text
+    assert model.lm_head.weight.data_ptr() == model.get_input_embeddings().weight.data_ptr()
+    stored = "model.embed_tokens.weight"  # the embedding's name in the published checkpoint layout
+    assert torch.equal(model.get_input_embeddings().weight, saved[stored])
+    assert not torch.equal(saved[stored], load_file(path / "model.safetensors")[stored])  # trained
