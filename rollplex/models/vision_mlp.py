@@ -14,11 +14,10 @@ of it in the vision MLP's forward products and gate/up gradients alone (docs/ben
 their biases) and I' inputs (down). The padded units are exactly zero — gate and up give 0 there,
 act(0) · 0 = 0, and down's padded columns are 0 — so the output equals the unpadded MLP's up to the
 rounding of the products (a different kernel sums in a different order), and the gradients of the
-original weights are the padded gradients' unpadded part (the pad is an autograd op). The padded
-weight copies are built per call. A pass that keeps activations for backward without activation
-checkpointing keeps them until its backward: 3 × C·I' elements per block, 0.84 GB (0.78 GiB) per
-tower call of the 3B model in bf16, for every video whose attached prefix is held. Under checkpointing
-or without gradients they are transient.
+original weights are the padded gradients' unpadded part. The padded weight copies are built per call
+and not kept for backward (``PaddedLinear`` keeps the weights themselves and pads again there), so a
+pass holds no more memory than the unpadded MLP, but for the 4 padded columns of the [T, I']
+activations.
 
 ``set_vision_mlp_padding`` switches a model's vision blocks between the two forwards by swapping their
 MLP's class, so parameter names, state dicts and checkpoints are unchanged. The padded forward reads
@@ -68,13 +67,37 @@ def padded_mlp(mlp: Qwen2_5_VLMLP, x: torch.Tensor, align_bytes: int = ALIGN_BYT
     pad = padded_width(weight.shape[0], weight.dtype, align_bytes) - weight.shape[0]
     if pad == 0:
         return mlp.down_proj(mlp.act_fn(mlp.gate_proj(x)) * mlp.up_proj(x))
-    gate = F.linear(x, F.pad(weight, (0, 0, 0, pad)), _pad_bias(mlp.gate_proj.bias, pad))
-    up = F.linear(x, F.pad(mlp.up_proj.weight, (0, 0, 0, pad)), _pad_bias(mlp.up_proj.bias, pad))
-    return F.linear(mlp.act_fn(gate) * up, F.pad(mlp.down_proj.weight, (0, pad)), mlp.down_proj.bias)
+    gate = PaddedLinear.apply(x, weight, mlp.gate_proj.bias, pad, 0)
+    up = PaddedLinear.apply(x, mlp.up_proj.weight, mlp.up_proj.bias, pad, 0)
+    return PaddedLinear.apply(mlp.act_fn(gate) * up, mlp.down_proj.weight, mlp.down_proj.bias, 0, pad)
 
 
-def _pad_bias(bias: torch.Tensor | None, pad: int) -> torch.Tensor | None:
-    return None if bias is None else F.pad(bias, (0, pad))
+class PaddedLinear(torch.autograd.Function):
+    """x·W'ᵀ + b' with W' = W [O, I] zero-padded to [O + out_pad, I + in_pad] and b' = b zero-padded to
+    O + out_pad; x is [..., I + in_pad]. Backward keeps x and W itself, not the padded copy, and pads W
+    again: the pass holds no more memory than the unpadded product. Gradients are those of
+    ``F.linear`` on the padded operands, cut back to W's and b's shapes."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, out_pad: int, in_pad: int):
+        ctx.save_for_backward(x, weight)
+        ctx.pads, ctx.has_bias = (out_pad, in_pad), bias is not None
+        padded_bias = None if bias is None else F.pad(bias, (0, out_pad))
+        return F.linear(x, F.pad(weight, (0, in_pad, 0, out_pad)), padded_bias)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        x, weight = ctx.saved_tensors
+        (out_pad, in_pad), (rows, cols) = ctx.pads, weight.shape
+        grad_x = grad_weight = grad_bias = None
+        if ctx.needs_input_grad[0]:
+            grad_x = grad_out @ F.pad(weight, (0, in_pad, 0, out_pad))
+        flat = grad_out.reshape(-1, grad_out.shape[-1])
+        if ctx.needs_input_grad[1]:
+            grad_weight = (flat.t() @ x.reshape(-1, x.shape[-1]))[:rows, :cols]
+        if ctx.has_bias and ctx.needs_input_grad[2]:
+            grad_bias = flat.sum(0)[:rows]
+        return grad_x, grad_weight, grad_bias, None, None
 
 
 class PaddedVisionMLP(Qwen2_5_VLMLP):

@@ -13,7 +13,13 @@ from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import Qwen2_5_VLMLP
 
 from rollplex.models import vision_mlp
 from rollplex.models.forward import prepare_model
-from rollplex.models.vision_mlp import PaddedVisionMLP, padded_mlp, padded_width, set_vision_mlp_padding
+from rollplex.models.vision_mlp import (
+    PaddedLinear,
+    PaddedVisionMLP,
+    padded_mlp,
+    padded_width,
+    set_vision_mlp_padding,
+)
 from tests.numerics.conftest import tiny_config
 
 
@@ -56,6 +62,40 @@ def test_padded_mlp_equals_transformers(inter, align, bias, monkeypatch):
     assert (got - want).abs().max() <= 1e-12
     for a, b in zip(got_grads, want_grads, strict=True):
         assert a.shape == b.shape and (a - b).abs().max() <= 1e-12 * max(1.0, float(b.abs().max()))
+
+
+def test_backward_keeps_no_padded_weight_copy():
+    """What autograd keeps for backward: the weights themselves (no [I', C] or [C, I'] copy) and the
+    activations, so the padded MLP holds no more memory than transformers' (but for the padded columns
+    of its [T, I'] activations)."""
+    mlp = _mlp(12, 20, True)
+    saved = []
+
+    def pack(t):
+        saved.append(t)
+        return t
+
+    x = torch.randn(7, 12, dtype=torch.float64, requires_grad=True)
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = padded_mlp(mlp, x, 64)
+    shapes = {tuple(t.shape) for t in saved}
+    assert (24, 12) not in shapes and (12, 24) not in shapes
+    weights = [mlp.gate_proj.weight, mlp.up_proj.weight, mlp.down_proj.weight]
+    assert all(any(t is w for t in saved) for w in weights)
+    out.sum().backward()  # and backward still runs from them
+
+
+@pytest.mark.parametrize("needs", [(True, True, True), (True, False, False), (False, True, True)])
+@pytest.mark.parametrize(("out_pad", "in_pad"), [(3, 0), (0, 2)])
+def test_padded_linear_gradients_by_finite_differences(needs, out_pad, in_pad):
+    """PaddedLinear's backward against torch.autograd.gradcheck's finite differences (float64), for the
+    gate/up form (padded outputs) and the down form (padded inputs), with some inputs frozen."""
+    x = torch.randn(3, 5, 4 + in_pad, dtype=torch.float64, requires_grad=needs[0])
+    with torch.no_grad():
+        x[..., 4:] = 0.0  # padded input columns are zero, as the MLP's activations are
+    weight = torch.randn(6, 4, dtype=torch.float64, requires_grad=needs[1])
+    bias = torch.randn(6, dtype=torch.float64, requires_grad=needs[2])
+    assert torch.autograd.gradcheck(lambda *a: PaddedLinear.apply(*a, out_pad, in_pad), (x, weight, bias))
 
 
 def test_padded_width():
