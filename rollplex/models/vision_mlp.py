@@ -76,7 +76,8 @@ class PaddedLinear(torch.autograd.Function):
     """x·W'ᵀ + b' with W' = W [O, I] zero-padded to [O + out_pad, I + in_pad] and b' = b zero-padded to
     O + out_pad; x is [..., I + in_pad]. Backward keeps x and W itself, not the padded copy, and pads W
     again: the pass holds no more memory than the unpadded product. Gradients are those of
-    ``F.linear`` on the padded operands, cut back to W's and b's shapes."""
+    ``F.linear`` on the padded operands, cut back to W's and b's shapes. Not for autocast regions
+    (backward runs on the saved dtypes; rollplex loads models in their training dtype)."""
 
     @staticmethod
     def forward(ctx, x, weight, bias, out_pad: int, in_pad: int):
@@ -113,12 +114,14 @@ def set_vision_mlp_padding(model, on: bool) -> int:
     or (to pad) whose projections are not plain hook-free ``nn.Linear`` modules, are left alone, with
     one warning per call naming how many."""
     switched, skipped = 0, 0
-    target = PaddedVisionMLP if on else Qwen2_5_VLMLP
     for block in model.model.visual.blocks:
         mlp = block.mlp
-        if type(mlp) not in (Qwen2_5_VLMLP, PaddedVisionMLP) or (on and not _plain_projections(mlp)):
+        if type(mlp) not in (Qwen2_5_VLMLP, PaddedVisionMLP):
             skipped += 1
-        elif type(mlp) is not target:
+            continue
+        target = PaddedVisionMLP if on and _plain_projections(mlp) else Qwen2_5_VLMLP
+        skipped += on and target is Qwen2_5_VLMLP  # e.g. a hook added since it was padded: unpad it
+        if type(mlp) is not target:
             mlp.__class__ = target
             switched += 1
     if on and skipped:

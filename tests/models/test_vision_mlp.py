@@ -5,6 +5,8 @@ need none at 16 bytes), and in bf16 at the 3B shape on CUDA."""
 from __future__ import annotations
 
 import copy
+import gc
+import weakref
 from types import SimpleNamespace
 
 import pytest
@@ -64,25 +66,42 @@ def test_padded_mlp_equals_transformers(inter, align, bias, monkeypatch):
         assert a.shape == b.shape and (a - b).abs().max() <= 1e-12 * max(1.0, float(b.abs().max()))
 
 
-def test_backward_keeps_no_padded_weight_copy():
-    """What autograd keeps for backward: the weights themselves (no [I', C] or [C, I'] copy) and the
-    activations, so the padded MLP holds no more memory than transformers' (but for the padded columns
-    of its [T, I'] activations)."""
+def test_backward_keeps_no_padded_weight_copy(monkeypatch):
+    """Between forward and backward no padded weight copy ([I', C] or [C, I']) is alive, whether saved
+    for backward or held otherwise; autograd keeps the weights themselves. So the padded MLP holds no
+    more memory than transformers' (but for the padded columns of its [T, I'] activations)."""
     mlp = _mlp(12, 20, True)
-    saved = []
+    saved, copies, pad = [], [], vision_mlp.F.pad
 
     def pack(t):
         saved.append(t)
         return t
 
+    def spy_pad(t, *args, **kwargs):
+        out = pad(t, *args, **kwargs)
+        if tuple(out.shape) in ((24, 12), (12, 24)):
+            copies.append(weakref.ref(out))
+        return out
+
+    monkeypatch.setattr(vision_mlp.F, "pad", spy_pad)
     x = torch.randn(7, 12, dtype=torch.float64, requires_grad=True)
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         out = padded_mlp(mlp, x, 64)
-    shapes = {tuple(t.shape) for t in saved}
-    assert (24, 12) not in shapes and (12, 24) not in shapes
+    gc.collect()
+    assert len(copies) == 3 and all(ref() is None for ref in copies)
     weights = [mlp.gate_proj.weight, mlp.up_proj.weight, mlp.down_proj.weight]
     assert all(any(t is w for t in saved) for w in weights)
     out.sum().backward()  # and backward still runs from them
+
+
+def test_padded_units_are_zero():
+    """gate and up give exactly 0 in the padded columns (act(0) · 0 = 0 there, whatever the act)."""
+    mlp = _mlp(12, 20, True)
+    x = torch.randn(7, 12, dtype=torch.float64)
+    for linear in (mlp.gate_proj, mlp.up_proj):
+        out = PaddedLinear.apply(x, linear.weight, linear.bias, 4, 0)
+        assert out.shape == (7, 24) and torch.equal(out[:, 20:], torch.zeros(7, 4, dtype=torch.float64))
+        assert (out[:, :20] - linear(x)).abs().max() <= 1e-12
 
 
 @pytest.mark.parametrize("needs", [(True, True, True), (True, False, False), (False, True, True)])
@@ -171,6 +190,10 @@ def test_wrapped_projections_are_left_alone(caplog):
         assert set_vision_mlp_padding(model, True) == 1
     assert type(hooked) is Qwen2_5_VLMLP and type(model.model.visual.blocks[1].mlp) is PaddedVisionMLP
     assert "left 1 of 2 vision blocks unpadded" in caplog.text
+    later = model.model.visual.blocks[1].mlp  # a hook added after padding: switching again unpads it
+    later.down_proj.register_forward_pre_hook(lambda module, args: None)
+    assert set_vision_mlp_padding(model, True) == 1 and type(later) is Qwen2_5_VLMLP
+    assert "left 2 of 2 vision blocks unpadded" in caplog.text
 
 
 @pytest.mark.gpu
