@@ -258,6 +258,12 @@ class RewardConfig:
         "T-GRPO shuffled-frame responses per video group; 0 = half the group size, at least 1 (Video-R1)",
         ge=0,
     )
+    temporal_reward: str = _field(
+        "",
+        "the reward T-GRPO compares between ordered and shuffled frames and adds its bonus to: a name in "
+        "reward.functions (a custom module:function too, valued in [0, 1] like an accuracy); '' = the first "
+        "built-in accuracy reward there",
+    )
 
 
 @dataclass(kw_only=True)
@@ -443,10 +449,16 @@ def _check_rewards(w: RewardConfig) -> None:
         raise _conflict(
             "reward.weights", w.weights, "reward.functions", w.functions, "need one weight per function"
         )
-    from rollplex.algo.rewards import ACCURACY_REWARDS, first_of_kind, resolve_reward  # torch-heavy
+    from rollplex.algo.rewards import ACCURACY_REWARDS, resolve_reward, temporal_reward_name  # torch-heavy
 
-    if w.temporal_alpha > 0 and first_of_kind(w.functions, ACCURACY_REWARDS) is None:
-        why = f"the T-GRPO bonus compares accuracies: name one of {list(ACCURACY_REWARDS)}"
+    if w.temporal_reward and w.temporal_reward not in w.functions:
+        why = "T-GRPO compares a reward the run computes: name one of reward.functions"
+        raise _conflict("reward.temporal_reward", w.temporal_reward, "reward.functions", w.functions, why)
+    if w.temporal_alpha > 0 and temporal_reward_name(w.functions, w.temporal_reward) is None:
+        why = (
+            f"the T-GRPO bonus compares accuracies: name one of {list(ACCURACY_REWARDS)}, or set "
+            "reward.temporal_reward to your own accuracy function"
+        )
         raise _conflict("reward.temporal_alpha", w.temporal_alpha, "reward.functions", w.functions, why)
 
     for name in w.functions:
@@ -552,12 +564,13 @@ def validate_for_training(cfg: Config) -> None:
 
 
 def ignored_fields(cfg: Config) -> list[str]:
-    """Fields set away from their default that take no effect: T-GRPO's ``reward.temporal_mu`` and
-    ``reward.temporal_samples`` while ``reward.temporal_alpha`` is 0 (``loop.train`` warns about them)."""
+    """Fields set away from their default that take no effect: T-GRPO's ``reward.temporal_mu``,
+    ``reward.temporal_samples`` and ``reward.temporal_reward`` while ``reward.temporal_alpha`` is 0
+    (``loop.train`` warns about them)."""
     if cfg.reward.temporal_alpha != 0:
         return []
     default = RewardConfig()
-    names = ("temporal_mu", "temporal_samples")
+    names = ("temporal_mu", "temporal_samples", "temporal_reward")
     return [f"reward.{n}" for n in names if getattr(cfg.reward, n) != getattr(default, n)]
 
 

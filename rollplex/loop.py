@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from rollplex.algo.rewards import FORMAT_REWARDS
+from rollplex.algo.rewards import FORMAT_REWARDS, compared_values
 from rollplex.checkpoint import (
     latest_checkpoint,
     load_trainer_state,
@@ -254,7 +254,7 @@ def temporal_metrics(scored: ScoredBatch) -> dict[str, float]:
     }
     if shuffled.groups:
         n = scored.rollout.group_size
-        ordered = scored.rewards.accuracy.view(-1, n)[shuffled.groups]
+        ordered = compared_values(scored.rewards, shuffled).view(-1, n)[shuffled.groups]
         bonus = scored.rewards.per_function["temporal"].view(-1, n)[shuffled.groups]
         out["temporal/ordered_accuracy"] = float(ordered.mean())
         out["temporal/shuffled_accuracy"] = float(shuffled.accuracy.mean())

@@ -21,7 +21,7 @@ import torch
 from rollplex.algo.advantages import group_advantages
 from rollplex.algo.kl import kl_penalty
 from rollplex.algo.losses import aggregate, policy_loss
-from rollplex.algo.rewards import ACCURACY_REWARDS, add_temporal_bonus, compute_rewards, first_of_kind
+from rollplex.algo.rewards import add_temporal_bonus, compute_rewards, temporal_reward_name
 from rollplex.config import Config, reward_weights, temporal_samples
 from rollplex.models.forward import merge_prefixes, prefix_forward, suffix_logprobs
 from rollplex.optim import MasterWeightAdamW
@@ -97,19 +97,21 @@ def uses_temporal(roles: Roles) -> bool:
 def temporal_phase(roles: Roles, rollout: RolloutBatch) -> ShuffledAccuracy:
     """T-GRPO's shuffled-frame rollout (Video-R1, Feng et al. 2025; formats.md §1.4): M responses under θ_k
     (``reward.temporal_samples``) for each group whose prompt has a shuffled twin (``Prompt.shuffled``),
-    scored with the run's first accuracy reward. Runs after the ordered rollout, so every schedule draws
-    from the sampling generator in the same order."""
+    scored with the compared reward (``reward.temporal_reward``, else the run's first built-in accuracy
+    reward: ``temporal_reward_name``). Runs after the ordered rollout, so every schedule draws from the
+    sampling generator in the same order."""
     cfg = roles.config
     m = temporal_samples(cfg.reward, rollout.group_size)
+    name = temporal_reward_name(cfg.reward.functions, cfg.reward.temporal_reward)  # the config checks it
     groups = [g for g, prompt in enumerate(rollout.prompts) if prompt.shuffled is not None]
     if not groups:
-        return ShuffledAccuracy([], torch.zeros(0, m))
+        return ShuffledAccuracy([], torch.zeros(0, m), reward=name)
     twins = [rollout.prompts[g].shuffled for g in groups]
     shuffled = rollout_phase(roles, twins, m, roles.sampling)
     records = [p.record for p in twins for _ in range(m)]
-    accuracy = first_of_kind(cfg.reward.functions, ACCURACY_REWARDS)  # config checks there is one
-    rewards = compute_rewards(shuffled.texts, records, [accuracy], rows="shuffled-frame row")
-    return ShuffledAccuracy(groups, rewards.accuracy.view(len(groups), m), rewards.errors)
+    rewards = compute_rewards(shuffled.texts, records, [name], rows="shuffled-frame row")
+    values = rewards.per_function[name].view(len(groups), m)
+    return ShuffledAccuracy(groups, values, rewards.errors, reward=name)
 
 
 def reward_phase(
@@ -123,7 +125,7 @@ def reward_phase(
     rewards = compute_rewards(rollout.texts, records, names, weights)
     if shuffled is not None:
         alpha, mu = cfg.reward.temporal_alpha, cfg.reward.temporal_mu
-        weight = weights[names.index(first_of_kind(names, ACCURACY_REWARDS))]
+        weight = weights[names.index(shuffled.reward)]
         rewards = add_temporal_bonus(rewards, shuffled, rollout.group_size, alpha, mu, weight)
     advantages, zero_groups = group_advantages(rewards.total, rollout.group_size, cfg.algo.normalize_std)
     advantages = advantages.to(rollout.responses.device)

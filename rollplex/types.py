@@ -221,6 +221,8 @@ class ShuffledAccuracy:
         accuracy: float32 [len(groups), M], accuracy reward of each of the M shuffled-frame responses of
             those groups; these responses set the bonus only and never enter the loss.
         errors: number of shuffled-frame responses whose accuracy reward flagged a problem.
+        reward: name of the compared reward function (``reward.temporal_reward``, else the run's first
+            built-in accuracy reward; ``algo.rewards.temporal_reward_name``); "" = ``RewardResult.accuracy``.
 
     Example:
         ShuffledAccuracy(groups=[0, 2], accuracy=torch.tensor([[1.0, 0.0], [0.0, 0.0]]), errors=0)
@@ -229,6 +231,7 @@ class ShuffledAccuracy:
     groups: list[int]
     accuracy: torch.Tensor
     errors: int = 0
+    reward: str = ""
 
 
 @dataclass

@@ -68,6 +68,7 @@ SPEC_DEFAULTS = {
         "temporal_alpha": 0.0,
         "temporal_mu": 1.0,
         "temporal_samples": 0,
+        "temporal_reward": "",
     },
     "optim": {
         "lr": 1e-6, "weight_decay": 0.01, "beta1": 0.9, "beta2": 0.999, "eps": 1e-8, "max_grad_norm": 5.0,
@@ -172,7 +173,16 @@ def test_invalid_values_name_the_field(override, needles):
         (["reward.functions=[no.such_module:fn]"], ["reward.functions", "cannot be imported"]),
         (
             ["reward.functions=[format]", "reward.temporal_alpha=0.3"],
-            ["reward.temporal_alpha=0.3", "reward.functions=['format']", "accuracy"],
+            [
+                "reward.temporal_alpha=0.3",
+                "reward.functions=['format']",
+                "accuracy",
+                "reward.temporal_reward",
+            ],
+        ),
+        (
+            ["reward.temporal_reward=answer_accuracy", "reward.temporal_alpha=0.3"],
+            ["reward.temporal_reward='answer_accuracy'", "reward.functions=['accuracy', 'format']"],
         ),
     ],
 )
@@ -192,6 +202,19 @@ def test_reward_module_that_fails_to_import_is_a_config_error(tmp_path, monkeypa
         load_config(None, ["reward.functions=[broken_reward:score]"])
     for needle in ("reward.functions", "broken_reward:score", "SyntaxError"):
         assert needle in str(info.value)
+
+
+def test_custom_reward_can_drive_t_grpo(tmp_path, monkeypatch):
+    """A run whose only accuracy reward is a custom function loads when reward.temporal_reward names it."""
+    (tmp_path / "my_accuracy.py").write_text("def score(text, record):\n    return 1.0\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    functions = "reward.functions=[my_accuracy:score, format]"
+    cfg = load_config(
+        None, [functions, "reward.temporal_alpha=0.3", "reward.temporal_reward=my_accuracy:score"]
+    )
+    assert cfg.reward.temporal_reward == "my_accuracy:score"
+    with pytest.raises(ConfigError, match="reward.temporal_reward"):
+        load_config(None, [functions, "reward.temporal_alpha=0.3"])
 
 
 def test_micro_batches_that_divide_are_accepted():
@@ -260,10 +283,12 @@ def test_validate_for_training(tmp_path):
 
 
 def test_t_grpo_settings_without_alpha_are_reported():
-    """T-GRPO's threshold and sample count take no effect while reward.temporal_alpha is 0: they are the
-    fields ``loop.train`` warns about; with alpha set, or at their defaults, there are none."""
-    both = ["reward.temporal_mu=0.8", "reward.temporal_samples=4"]
-    assert ignored_fields(load_config(None, both)) == ["reward.temporal_mu", "reward.temporal_samples"]
+    """T-GRPO's threshold, sample count and compared reward take no effect while reward.temporal_alpha is
+    0: they are the fields ``loop.train`` warns about; with alpha set, or at their defaults, there are
+    none."""
+    both = ["reward.temporal_mu=0.8", "reward.temporal_samples=4", "reward.temporal_reward=accuracy"]
+    names = ["reward.temporal_mu", "reward.temporal_samples", "reward.temporal_reward"]
+    assert ignored_fields(load_config(None, both)) == names
     assert ignored_fields(load_config(None)) == []
     assert ignored_fields(load_config(None, [*both, "reward.temporal_alpha=0.3"])) == []
 

@@ -417,6 +417,19 @@ def first_of_kind(names: Sequence[str], kinds: tuple[str, ...]) -> str | None:
     return next((name for name in names if name in kinds), None)
 
 
+def temporal_reward_name(functions: Sequence[str], chosen: str = "") -> str | None:
+    """The reward T-GRPO compares between ordered and shuffled frames: ``chosen``
+    (``reward.temporal_reward``, any name in ``functions``, custom ones included), else the first
+    built-in accuracy reward among ``functions`` (``ACCURACY_REWARDS``), else None."""
+    return chosen or first_of_kind(functions, ACCURACY_REWARDS)
+
+
+def compared_values(rewards: RewardResult, shuffled: ShuffledAccuracy) -> torch.Tensor:
+    """float32 [B]: the ordered-frame values of the reward ``shuffled`` was scored with
+    (``ShuffledAccuracy.reward``; ``rewards.accuracy`` when it names none)."""
+    return rewards.per_function[shuffled.reward] if shuffled.reward else rewards.accuracy
+
+
 def _first_of(per_function: dict[str, torch.Tensor], kinds: tuple[str, ...], rows: int) -> torch.Tensor:
     name = first_of_kind(list(per_function), kinds)
     return per_function[name] if name is not None else torch.zeros(rows, dtype=torch.float32)
@@ -485,14 +498,15 @@ def add_temporal_bonus(
 ) -> RewardResult:
     """``rewards`` with T-GRPO's bonus (``temporal_bonus``) of the groups in ``shuffled``, kept as
     ``per_function["temporal"]`` (float32 [B], 0 outside those groups) and added to the total times
-    ``weight``, the accuracy reward's weight: Video-R1 adds the bonus to the accuracy reward (formats.md
-    §1.4). ``accuracy`` is left as it was, so it stays the plain accuracy of the responses.
+    ``weight``, the compared reward's weight: Video-R1 adds the bonus to the accuracy reward (formats.md
+    §1.4). The ordered values compared are those of the reward ``shuffled`` was scored with
+    (``compared_values``). ``accuracy`` is left as it was, so it stays the plain accuracy of the responses.
 
     Args:
         rewards: rewards of B = G·N ordered-frame responses (row b in group b // N).
         shuffled: accuracies of the shuffled-frame responses of some groups.
         group_size: N. alpha, mu: as in ``temporal_bonus`` (``reward.temporal_alpha``, ``temporal_mu``).
-        weight: weight of the accuracy reward in the total (``reward.weights``; 1.0 by default).
+        weight: weight of the compared reward in the total (``reward.weights``; 1.0 by default).
 
     Raises:
         ValueError: as ``temporal_bonus``; B not a multiple of N.
@@ -501,7 +515,7 @@ def add_temporal_bonus(
         raise ValueError(f"{rewards.total.numel()} rewards do not split into groups of {group_size}")
     bonus = torch.zeros_like(rewards.total)
     if shuffled.groups:
-        ordered = rewards.accuracy.view(-1, group_size)[shuffled.groups]
+        ordered = compared_values(rewards, shuffled).view(-1, group_size)[shuffled.groups]
         bonus.view(-1, group_size)[shuffled.groups] = temporal_bonus(
             ordered, shuffled.accuracy, alpha, mu
         ).to(bonus.dtype)

@@ -78,13 +78,35 @@ def _recorded_rollouts(monkeypatch) -> list:
     return calls
 
 
-def test_the_bonus_follows_the_rule_on_the_shuffled_rollout(assets, tmp_path, monkeypatch, varied_accuracy):  # noqa: F811
+CUSTOM_ACCURACY = "custom_temporal_accuracy:score"  # written by the test: _accuracy as a user's module
+
+
+@pytest.mark.parametrize("custom", [False, True])
+def test_the_bonus_follows_the_rule_on_the_shuffled_rollout(
+    assets,  # noqa: F811
+    tmp_path,
+    monkeypatch,
+    varied_accuracy,
+    custom,
+):
     """Serial steps, accuracy weighted 2: the second rollout samples the twins M = 2 times (only group 1's
     on the steps where group 0 has no twin); the bonus equals the rule applied to both rollouts' texts
     scored here; total = 2 · (accuracy + bonus) + format; the flagged twin answers are counted; both
-    outcomes occur."""
+    outcomes occur. ``custom``: the compared accuracy is a user's module named by
+    reward.temporal_reward (it flags nothing)."""
     calls = _recorded_rollouts(monkeypatch)
-    cfg = _config(assets, tmp_path / "run", 4, **TEMPORAL, **{"reward.weights": "[2.0, 1.0]"})
+    overrides = {**TEMPORAL, "reward.weights": "[2.0, 1.0]"}
+    accuracy_name = "answer_accuracy"
+    if custom:
+        module = tmp_path / "custom_temporal_accuracy.py"
+        module.write_text(
+            "def score(completion, record):\n    return float(sum(map(ord, completion)) % 3 == 0)\n"
+        )
+        monkeypatch.syspath_prepend(str(tmp_path))
+        accuracy_name = CUSTOM_ACCURACY
+        overrides["reward.functions"] = f"[{CUSTOM_ACCURACY}, answer_format]"
+        overrides["reward.temporal_reward"] = CUSTOM_ACCURACY
+    cfg = _config(assets, tmp_path / "run", 4, **overrides)
     run = build_run(cfg)
     step = make_step(cfg, run.device)
     granted, errors = [], 0
@@ -103,15 +125,15 @@ def test_the_bonus_follows_the_rule_on_the_shuffled_rollout(assets, tmp_path, mo
         expected = [[0.0] * 4 for _ in range(2)]
         for g, row in zip(with_twin, _rule([accuracy[g] for g in with_twin], twin_accuracy), strict=True):
             expected[g] = row
-        assert scored.shuffled.groups == with_twin
-        assert scored.shuffled.errors == sum(_flagged(t) for t in shuffled.texts)
+        assert scored.shuffled.groups == with_twin and scored.shuffled.reward == accuracy_name
+        assert scored.shuffled.errors == (0 if custom else sum(_flagged(t) for t in shuffled.texts))
         bonus = scored.rewards.per_function["temporal"].view(2, 4)
         assert torch.allclose(bonus, torch.tensor(expected))
         fmt = scored.rewards.per_function["answer_format"].view(2, 4)
         assert torch.allclose(scored.rewards.total.view(2, 4), 2 * (torch.tensor(accuracy) + bonus) + fmt)
         granted += [any(row) for row in expected]
         errors += scored.shuffled.errors
-    assert any(granted) and not all(granted) and errors
+    assert any(granted) and not all(granted) and (custom or errors)
 
 
 def test_every_schedule_gives_the_same_update(assets, tmp_path, varied_accuracy):  # noqa: F811
