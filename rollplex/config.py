@@ -261,8 +261,8 @@ class RewardConfig:
     temporal_reward: str = _field(
         "",
         "the reward T-GRPO compares between ordered and shuffled frames and adds its bonus to: a name in "
-        "reward.functions (a custom module:function too, valued in [0, 1] like an accuracy); '' = the first "
-        "built-in accuracy reward there",
+        "reward.functions (a built-in accuracy, or your own module:function valued in [0, 1]); '' = the "
+        "first built-in accuracy reward there",
     )
 
 
@@ -454,6 +454,11 @@ def _check_rewards(w: RewardConfig) -> None:
     if w.temporal_reward and w.temporal_reward not in w.functions:
         why = "T-GRPO compares a reward the run computes: name one of reward.functions"
         raise _conflict("reward.temporal_reward", w.temporal_reward, "reward.functions", w.functions, why)
+    if w.temporal_reward and ":" not in w.temporal_reward and w.temporal_reward not in ACCURACY_REWARDS:
+        raise ConfigError(
+            f"reward.temporal_reward={w.temporal_reward!r} is not an accuracy: T-GRPO compares accuracies; "
+            f"name one of {list(ACCURACY_REWARDS)} or your own module:function"
+        )
     if w.temporal_alpha > 0 and temporal_reward_name(w.functions, w.temporal_reward) is None:
         why = (
             f"the T-GRPO bonus compares accuracies: name one of {list(ACCURACY_REWARDS)}, or set "

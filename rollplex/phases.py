@@ -13,6 +13,7 @@ the order and concurrency of these calls; the functions themselves never synchro
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -21,12 +22,14 @@ import torch
 from rollplex.algo.advantages import group_advantages
 from rollplex.algo.kl import kl_penalty
 from rollplex.algo.losses import aggregate, policy_loss
-from rollplex.algo.rewards import add_temporal_bonus, compute_rewards, temporal_reward_name
+from rollplex.algo.rewards import accuracy_range, add_temporal_bonus, compute_rewards, temporal_reward_name
 from rollplex.config import Config, reward_weights, temporal_samples
 from rollplex.models.forward import merge_prefixes, prefix_forward, suffix_logprobs
 from rollplex.optim import MasterWeightAdamW
 from rollplex.rollout.engine import SamplingParams, generate
 from rollplex.types import PrefixState, Prompt, RolloutBatch, ScoredBatch, ShuffledAccuracy
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -110,8 +113,12 @@ def temporal_phase(roles: Roles, rollout: RolloutBatch) -> ShuffledAccuracy:
     shuffled = rollout_phase(roles, twins, m, roles.sampling)
     records = [p.record for p in twins for _ in range(m)]
     rewards = compute_rewards(shuffled.texts, records, [name], rows="shuffled-frame row")
-    values = rewards.per_function[name].view(len(groups), m)
-    return ShuffledAccuracy(groups, values, rewards.errors, reward=name)
+    values, outside = accuracy_range(rewards.per_function[name])
+    if outside:
+        log.warning(
+            "%d shuffled-frame values of reward %s outside [0, 1] or NaN: clipped, counted", outside, name
+        )
+    return ShuffledAccuracy(groups, values.view(len(groups), m), rewards.errors + outside, reward=name)
 
 
 def reward_phase(
@@ -125,7 +132,7 @@ def reward_phase(
     rewards = compute_rewards(rollout.texts, records, names, weights)
     if shuffled is not None:
         alpha, mu = cfg.reward.temporal_alpha, cfg.reward.temporal_mu
-        weight = weights[names.index(shuffled.reward)]
+        weight = weights[names.index(temporal_reward_name(names, cfg.reward.temporal_reward))]
         rewards = add_temporal_bonus(rewards, shuffled, rollout.group_size, alpha, mu, weight)
     advantages, zero_groups = group_advantages(rewards.total, rollout.group_size, cfg.algo.normalize_std)
     advantages = advantages.to(rollout.responses.device)

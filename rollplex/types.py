@@ -218,9 +218,11 @@ class ShuffledAccuracy:
 
     Fields:
         groups: indices (into the rollout's G groups) of the groups that have a shuffled twin, ascending.
-        accuracy: float32 [len(groups), M], accuracy reward of each of the M shuffled-frame responses of
-            those groups; these responses set the bonus only and never enter the loss.
-        errors: number of shuffled-frame responses whose accuracy reward flagged a problem.
+        accuracy: float32 [len(groups), M] in [0, 1], the compared reward (below) of each of the M
+            shuffled-frame responses of those groups; these responses set the bonus only and never enter
+            the loss.
+        errors: number of shuffled-frame responses whose compared reward flagged a problem or fell outside
+            [0, 1].
         reward: name of the compared reward function (``reward.temporal_reward``, else the run's first
             built-in accuracy reward; ``algo.rewards.temporal_reward_name``); "" = ``RewardResult.accuracy``.
 

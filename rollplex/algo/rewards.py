@@ -425,9 +425,19 @@ def temporal_reward_name(functions: Sequence[str], chosen: str = "") -> str | No
 
 
 def compared_values(rewards: RewardResult, shuffled: ShuffledAccuracy) -> torch.Tensor:
-    """float32 [B]: the ordered-frame values of the reward ``shuffled`` was scored with
-    (``ShuffledAccuracy.reward``; ``rewards.accuracy`` when it names none)."""
-    return rewards.per_function[shuffled.reward] if shuffled.reward else rewards.accuracy
+    """float32 [B] in [0, 1]: the ordered-frame values of the reward ``shuffled`` was scored with
+    (``ShuffledAccuracy.reward``; ``rewards.accuracy`` when it names none), put in [0, 1] as
+    ``accuracy_range`` does."""
+    values = rewards.per_function[shuffled.reward] if shuffled.reward else rewards.accuracy
+    return accuracy_range(values)[0]
+
+
+def accuracy_range(values: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """``values`` with NaN set to 0 and the rest clipped to [0, 1], and how many were changed: T-GRPO's
+    rule compares accuracies, and a user's reward named by ``reward.temporal_reward`` may return
+    anything."""
+    count = int((~((values >= 0) & (values <= 1))).sum())
+    return torch.nan_to_num(values, nan=0.0).clamp(0.0, 1.0), count
 
 
 def _first_of(per_function: dict[str, torch.Tensor], kinds: tuple[str, ...], rows: int) -> torch.Tensor:

@@ -6,8 +6,9 @@ in step order. Non-finite values are written as ``null`` (strict JSON). Keys the
 ``entropy``, ``response_length`` (tokens), ``grad_norm``, ``skipped_samples``, ``zero_variance_groups``,
 ``time/<phase>`` and ``time/step`` (seconds), ``peak_memory_gib`` (GiB), ``val_accuracy`` (some steps),
 ``chance_accuracy``; with T-GRPO ``reward/temporal`` (the bonus), ``temporal/video_groups``,
-``temporal/reward_errors``, ``temporal/ordered_accuracy``, ``temporal/shuffled_accuracy`` and
-``temporal/bonus_group_fraction`` (fraction of the video groups given the bonus).
+``temporal/reward_errors``, ``temporal/ordered_accuracy``, ``temporal/shuffled_accuracy`` (the values of
+the compared reward, ``reward.temporal_reward``; ``accuracy`` and ``val_accuracy`` stay the built-in
+accuracy) and ``temporal/bonus_group_fraction`` (fraction of the video groups given the bonus).
 
 Chrome trace: ``write_chrome_trace`` writes the Trace Event Format (complete events, ``"ph": "X"``,
 microseconds; https://docs.google.com/document/d/1CvAClvFfyA5R-PhYUmn5OOQtYMH4h6I0nSsKchNAySU), one

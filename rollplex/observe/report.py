@@ -165,8 +165,9 @@ def rewards_figure(rows: Sequence[dict]) -> Figure | None:
 
 
 def accuracy_figure(rows: Sequence[dict]) -> Figure | None:
-    """Train and held-out accuracy vs step, chance dashed, and with T-GRPO the video groups' accuracy on
-    ordered and on shuffled frames, dotted (8×4.5 in); None without either accuracy."""
+    """Train and held-out accuracy vs step, chance dashed, and with T-GRPO the video groups' compared
+    reward (``reward.temporal_reward``, by default the accuracy) on ordered and on shuffled frames,
+    dotted (8×4.5 in); None without either accuracy."""
     if not (series(rows, "accuracy")[0] or series(rows, "val_accuracy")[0]):
         return None
     fig = Figure(figsize=(8, 4.5))
@@ -174,8 +175,11 @@ def accuracy_figure(rows: Sequence[dict]) -> Figure | None:
     styles = (
         ("accuracy", {"label": "train accuracy"}),
         ("val_accuracy", {"label": "held-out", "marker": "o"}),
-        ("temporal/ordered_accuracy", {"label": "T-GRPO video groups, ordered frames", "linestyle": ":"}),
-        ("temporal/shuffled_accuracy", {"label": "T-GRPO video groups, shuffled frames", "linestyle": ":"}),
+        ("temporal/ordered_accuracy", {"label": "T-GRPO compared reward, ordered frames", "linestyle": ":"}),
+        (
+            "temporal/shuffled_accuracy",
+            {"label": "T-GRPO compared reward, shuffled frames", "linestyle": ":"},
+        ),
     )
     for key, style in styles:
         if series(rows, key)[0]:

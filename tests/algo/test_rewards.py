@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from rollplex.algo.rewards import (
+    accuracy_range,
     accuracy_reward,
     add_temporal_bonus,
     answer_accuracy_reward,
@@ -19,6 +20,7 @@ from rollplex.algo.rewards import (
     parse_option,
     resolve_reward,
     temporal_bonus,
+    temporal_reward_name,
     word_error_rate,
 )
 from rollplex.types import Record, RewardResult, ShuffledAccuracy
@@ -373,3 +375,18 @@ def test_bonus_without_twins_is_zero_and_rows_must_split_into_groups():
     assert torch.equal(out.total, acc) and out.per_function["temporal"].tolist() == [0.0] * 4
     with pytest.raises(ValueError, match="groups of 3"):
         add_temporal_bonus(rewards, ShuffledAccuracy([], torch.zeros(0, 1)), 3, alpha=0.3, mu=1.0)
+
+
+def test_temporal_reward_name_prefers_the_configured_one():
+    """reward.temporal_reward wins over a built-in accuracy listed before it; empty, the first built-in
+    accuracy; None without one."""
+    assert temporal_reward_name(["accuracy", "mod:fn", "format"], "mod:fn") == "mod:fn"
+    assert temporal_reward_name(["format", "answer_accuracy", "accuracy"]) == "answer_accuracy"
+    assert temporal_reward_name(["format", "mod:fn"]) is None
+
+
+def test_compared_values_are_put_in_range():
+    """T-GRPO compares accuracies: a user's values are clipped to [0, 1], NaN counts as 0, and the
+    changed ones are counted."""
+    values, count = accuracy_range(torch.tensor([0.5, 1.5, -0.2, float("nan"), 1.0, 0.0]))
+    assert torch.equal(values, torch.tensor([0.5, 1.0, 0.0, 0.0, 1.0, 0.0])) and count == 3

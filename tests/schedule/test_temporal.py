@@ -12,7 +12,7 @@ import torch
 import rollplex.phases as phases
 from rollplex.algo import rewards as reward_module
 from rollplex.algo.rewards import Score
-from rollplex.loop import build_run, train
+from rollplex.loop import build_run, temporal_metrics, train
 from rollplex.observe.metrics import PhaseTimer
 from rollplex.schedule import make_step
 from tests.schedule.test_same_update import (
@@ -78,34 +78,42 @@ def _recorded_rollouts(monkeypatch) -> list:
     return calls
 
 
-CUSTOM_ACCURACY = "custom_temporal_accuracy:score"  # written by the test: _accuracy as a user's module
+def _custom_accuracy(completion: str) -> float:
+    """The user's accuracy of the ``beside`` case, unlike ``_accuracy``, so using the wrong one shows."""
+    return float(sum(map(ord, completion)) % 2 == 0)
 
 
-@pytest.mark.parametrize("custom", [False, True])
+@pytest.mark.parametrize("variant", ["builtin", "custom", "custom-beside-builtin"])
 def test_the_bonus_follows_the_rule_on_the_shuffled_rollout(
     assets,  # noqa: F811
     tmp_path,
     monkeypatch,
     varied_accuracy,
-    custom,
+    variant,
 ):
-    """Serial steps, accuracy weighted 2: the second rollout samples the twins M = 2 times (only group 1's
-    on the steps where group 0 has no twin); the bonus equals the rule applied to both rollouts' texts
-    scored here; total = 2 · (accuracy + bonus) + format; the flagged twin answers are counted; both
-    outcomes occur. ``custom``: the compared accuracy is a user's module named by
-    reward.temporal_reward (it flags nothing)."""
+    """Serial steps, the compared accuracy weighted 2: the second rollout samples the twins M = 2 times
+    (only group 1's on the steps where group 0 has no twin); the bonus equals the rule applied to both
+    rollouts' texts scored here; total = 2 · (accuracy + bonus) + format (+ the built-in accuracy, weight
+    1, in the last case); the flagged twin answers are counted; both outcomes occur; the T-GRPO metrics
+    report the compared values. ``custom``: the compared accuracy is a user's module named by
+    reward.temporal_reward (it flags nothing, and scores as ``_accuracy``); ``custom-beside-builtin``: the
+    user's module (``_custom_accuracy``) listed after the built-in accuracy, and still the one compared."""
     calls = _recorded_rollouts(monkeypatch)
     overrides = {**TEMPORAL, "reward.weights": "[2.0, 1.0]"}
-    accuracy_name = "answer_accuracy"
-    if custom:
-        module = tmp_path / "custom_temporal_accuracy.py"
-        module.write_text(
-            "def score(completion, record):\n    return float(sum(map(ord, completion)) % 3 == 0)\n"
-        )
+    accuracy_name, compared, custom = "answer_accuracy", _accuracy, variant != "builtin"
+    if custom:  # a module per variant (imported modules are cached)
+        module = f"temporal_accuracy_{variant.replace('-', '_')}"
+        rule = "% 2 == 0" if variant == "custom-beside-builtin" else "% 3 == 0"
+        body = f"def score(completion, record):\n    return float(sum(map(ord, completion)) {rule})\n"
+        (tmp_path / f"{module}.py").write_text(body)
         monkeypatch.syspath_prepend(str(tmp_path))
-        accuracy_name = CUSTOM_ACCURACY
-        overrides["reward.functions"] = f"[{CUSTOM_ACCURACY}, answer_format]"
-        overrides["reward.temporal_reward"] = CUSTOM_ACCURACY
+        accuracy_name = f"{module}:score"
+        overrides["reward.functions"] = f"[{accuracy_name}, answer_format]"
+        overrides["reward.temporal_reward"] = accuracy_name
+    if variant == "custom-beside-builtin":
+        compared = _custom_accuracy
+        overrides["reward.functions"] = f"[answer_accuracy, {accuracy_name}, answer_format]"
+        overrides["reward.weights"] = "[1.0, 2.0, 1.0]"
     cfg = _config(assets, tmp_path / "run", 4, **overrides)
     run = build_run(cfg)
     step = make_step(cfg, run.device)
@@ -120,8 +128,8 @@ def test_the_bonus_follows_the_rule_on_the_shuffled_rollout(
         (ordered_prompts, n, ordered), (twins, m, shuffled) = calls
         assert (n, m) == (4, 2) and ordered_prompts == prompts
         assert twins == [prompts[g].shuffled for g in with_twin] and all(t is not None for t in twins)
-        accuracy = [[_accuracy(t) for t in ordered.texts[g * 4 : g * 4 + 4]] for g in range(2)]
-        twin_accuracy = [[_accuracy(t) for t in shuffled.texts[i * 2 : i * 2 + 2]] for i in range(len(twins))]
+        accuracy = [[compared(t) for t in ordered.texts[g * 4 : g * 4 + 4]] for g in range(2)]
+        twin_accuracy = [[compared(t) for t in shuffled.texts[i * 2 : i * 2 + 2]] for i in range(len(twins))]
         expected = [[0.0] * 4 for _ in range(2)]
         for g, row in zip(with_twin, _rule([accuracy[g] for g in with_twin], twin_accuracy), strict=True):
             expected[g] = row
@@ -130,7 +138,10 @@ def test_the_bonus_follows_the_rule_on_the_shuffled_rollout(
         bonus = scored.rewards.per_function["temporal"].view(2, 4)
         assert torch.allclose(bonus, torch.tensor(expected))
         fmt = scored.rewards.per_function["answer_format"].view(2, 4)
-        assert torch.allclose(scored.rewards.total.view(2, 4), 2 * (torch.tensor(accuracy) + bonus) + fmt)
+        rest = fmt + (scored.rewards.accuracy.view(2, 4) if variant == "custom-beside-builtin" else 0.0)
+        assert torch.allclose(scored.rewards.total.view(2, 4), 2 * (torch.tensor(accuracy) + bonus) + rest)
+        ordered_mean = sum(sum(accuracy[g]) for g in with_twin) / (4 * len(with_twin))
+        assert temporal_metrics(scored)["temporal/ordered_accuracy"] == pytest.approx(ordered_mean)
         granted += [any(row) for row in expected]
         errors += scored.shuffled.errors
     assert any(granted) and not all(granted) and (custom or errors)
