@@ -132,7 +132,7 @@ def reward_phase(
     rewards = compute_rewards(rollout.texts, records, names, weights)
     if shuffled is not None:
         alpha, mu = cfg.reward.temporal_alpha, cfg.reward.temporal_mu
-        weight = weights[names.index(temporal_reward_name(names, cfg.reward.temporal_reward))]
+        weight = weights[names.index(shuffled.reward)]  # the reward temporal_phase scored with
         rewards = add_temporal_bonus(rewards, shuffled, rollout.group_size, alpha, mu, weight)
     advantages, zero_groups = group_advantages(rewards.total, rollout.group_size, cfg.algo.normalize_std)
     advantages = advantages.to(rollout.responses.device)

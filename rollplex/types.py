@@ -224,16 +224,16 @@ class ShuffledAccuracy:
         errors: number of shuffled-frame responses whose compared reward flagged a problem or fell outside
             [0, 1].
         reward: name of the compared reward function (``reward.temporal_reward``, else the run's first
-            built-in accuracy reward; ``algo.rewards.temporal_reward_name``); "" = ``RewardResult.accuracy``.
+            built-in accuracy reward; ``algo.rewards.temporal_reward_name``), keyword only.
 
     Example:
-        ShuffledAccuracy(groups=[0, 2], accuracy=torch.tensor([[1.0, 0.0], [0.0, 0.0]]), errors=0)
+        ShuffledAccuracy(groups=[0, 2], accuracy=torch.tensor([[1.0, 0.0], [0.0, 0.0]]), reward="accuracy")
     """
 
     groups: list[int]
     accuracy: torch.Tensor
     errors: int = 0
-    reward: str = ""
+    reward: str = field(kw_only=True)
 
 
 @dataclass

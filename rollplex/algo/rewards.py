@@ -426,10 +426,8 @@ def temporal_reward_name(functions: Sequence[str], chosen: str = "") -> str | No
 
 def compared_values(rewards: RewardResult, shuffled: ShuffledAccuracy) -> torch.Tensor:
     """float32 [B] in [0, 1]: the ordered-frame values of the reward ``shuffled`` was scored with
-    (``ShuffledAccuracy.reward``; ``rewards.accuracy`` when it names none), put in [0, 1] as
-    ``accuracy_range`` does."""
-    values = rewards.per_function[shuffled.reward] if shuffled.reward else rewards.accuracy
-    return accuracy_range(values)[0]
+    (``ShuffledAccuracy.reward``), put in [0, 1] as ``accuracy_range`` does."""
+    return accuracy_range(rewards.per_function[shuffled.reward])[0]
 
 
 def accuracy_range(values: torch.Tensor) -> tuple[torch.Tensor, int]:

@@ -349,7 +349,9 @@ def test_bonus_lands_on_the_groups_with_twins_only():
     accuracy = torch.cat([B14_ORDERED[0], torch.ones(4), B14_ORDERED[1]])
     fmt = torch.tensor([1.0, 0.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 0.0, 0.0, 1.0, 1.0])
     rewards = RewardResult(accuracy + fmt, {"accuracy": accuracy, "format": fmt}, accuracy, fmt)
-    out = add_temporal_bonus(rewards, ShuffledAccuracy([0, 2], B14_SHUFFLED), 4, alpha=0.3, mu=1.0)
+    out = add_temporal_bonus(
+        rewards, ShuffledAccuracy([0, 2], B14_SHUFFLED, reward="accuracy"), 4, alpha=0.3, mu=1.0
+    )
     expected_bonus = [0.3, 0.3, 0.3, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0]
     assert out.per_function["temporal"].tolist() == pytest.approx(expected_bonus)
     expected_total = [2.3, 1.3, 2.3, 1.0, 2.0, 2.0, 2.0, 2.0, 0.0, 0.0, 1.0, 1.0]
@@ -362,7 +364,7 @@ def test_bonus_counts_with_the_accuracy_weight():
     acc = torch.tensor([1.0, 0.0])
     rewards = RewardResult(2.0 * acc, {"accuracy": acc}, acc, torch.zeros(2))
     out = add_temporal_bonus(
-        rewards, ShuffledAccuracy([0], torch.zeros(1, 1)), 2, alpha=0.3, mu=1.0, weight=2.0
+        rewards, ShuffledAccuracy([0], torch.zeros(1, 1), reward="accuracy"), 2, alpha=0.3, mu=1.0, weight=2.0
     )
     assert out.per_function["temporal"].tolist() == pytest.approx([0.3, 0.0])
     assert out.total.tolist() == pytest.approx([2.6, 0.0])
@@ -371,10 +373,14 @@ def test_bonus_counts_with_the_accuracy_weight():
 def test_bonus_without_twins_is_zero_and_rows_must_split_into_groups():
     acc = torch.ones(4)
     rewards = RewardResult(acc, {"accuracy": acc}, acc, torch.zeros(4))
-    out = add_temporal_bonus(rewards, ShuffledAccuracy([], torch.zeros(0, 1)), 2, alpha=0.3, mu=1.0)
+    out = add_temporal_bonus(
+        rewards, ShuffledAccuracy([], torch.zeros(0, 1), reward="accuracy"), 2, alpha=0.3, mu=1.0
+    )
     assert torch.equal(out.total, acc) and out.per_function["temporal"].tolist() == [0.0] * 4
     with pytest.raises(ValueError, match="groups of 3"):
-        add_temporal_bonus(rewards, ShuffledAccuracy([], torch.zeros(0, 1)), 3, alpha=0.3, mu=1.0)
+        add_temporal_bonus(
+            rewards, ShuffledAccuracy([], torch.zeros(0, 1), reward="accuracy"), 3, alpha=0.3, mu=1.0
+        )
 
 
 def test_temporal_reward_name_prefers_the_configured_one():
