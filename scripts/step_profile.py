@@ -1,21 +1,28 @@
 """Profile one serial GRPO step of the ``rollplex bench schedule`` workload (3B architecture, 8 groups of
 3,920-token video prompts, N = 8, 512-token responses): the phase times of two warm-up steps and of the
-profiled one, and torch.profiler tables of the profiled step's operators and kernels by device time
-(one table as they are, one grouped by input shape).
+profiled one; a torch.profiler table of the profiled step's operators and kernels by device time; and
+where the device sat idle: every gap of at least 100 µs between device activities, each charged to the
+Python line that launched the work ending it, summed by line.
 
-Usage (CUDA): python scripts/step_profile.py OUT_PREFIX     # writes OUT_PREFIX.ops.txt, OUT_PREFIX.shapes.txt
+Usage (CUDA): python scripts/step_profile.py OUT_PREFIX     # writes OUT_PREFIX.gaps.txt, OUT_PREFIX.ops.txt
 """
 
 from __future__ import annotations
 
+import bisect
 import sys
+from collections import defaultdict
 
 import torch
+from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
 
 from rollplex.bench.schedule import ROWS, ScheduleBenchConfig, _Workload
 from rollplex.observe.metrics import PhaseTimer
 from rollplex.schedule import make_step
+
+MIN_GAP_US = 100.0
+OUR_FRAMES = ("rollplex/", "transformers/", "torch/utils/checkpoint", "torch/autograd", "torch/optim")
 
 
 def _step(step, roles, work, timer, label: str) -> None:
@@ -23,6 +30,68 @@ def _step(step, roles, work, timer, label: str) -> None:
     step(roles, work.prompts, timer)
     phases = {k: round(v, 3) for k, v in timer.pop().items() if isinstance(v, float)}
     print(label, round(timer.now() - start, 3), "s", phases, flush=True)
+
+
+def busy_and_gaps(
+    intervals: list[tuple[float, float]], min_gap: float
+) -> tuple[float, list[tuple[float, float, int]]]:
+    """Union length of ``intervals`` (start, end) and the gaps of at least ``min_gap`` between them, as
+    (gap start, gap end, index of the interval that ends the gap), in time order."""
+    order = sorted(range(len(intervals)), key=lambda i: intervals[i][0])
+    busy, gaps = 0.0, []
+    lo, hi = intervals[order[0]]
+    for i in order[1:]:
+        start, end = intervals[i]
+        if start > hi:
+            busy += hi - lo
+            if start - hi >= min_gap:
+                gaps.append((hi, start, i))
+            lo, hi = start, end
+        else:
+            hi = max(hi, end)
+    return busy + hi - lo, gaps
+
+
+def _launcher(cpu) -> str:
+    """The CPU ops above the runtime call ``cpu`` (innermost first, up to three) and the innermost
+    rollplex/transformers/torch frames of the first of them with a Python stack (autograd's backward
+    thread has none)."""
+    names, frames = [], []
+    while cpu is not None and not frames:
+        if len(names) < 3 and not cpu.name.startswith("cuda"):
+            names.append(cpu.name)
+        frames = [f for f in cpu.stack if any(tag in f for tag in OUR_FRAMES)][:3]
+        cpu = cpu.cpu_parent
+    return " < ".join(names or ["(no CPU op)"]) + (" @ " + " <- ".join(frames) if frames else "")
+
+
+def gap_table(events) -> str:
+    """Device busy time, idle time, and the idle gaps summed by the launcher of the work that ended them."""
+    device = [e for e in events if e.device_type == DeviceType.CUDA]
+    # after an idle gap the queue is empty, so the work ending it was launched by the last runtime call
+    # (cudaLaunchKernel, cudaMemcpyAsync, ...) to start before it
+    calls = sorted(
+        (e for e in events if e.device_type == DeviceType.CPU and e.name.startswith("cuda")),
+        key=lambda e: e.time_range.start,
+    )
+    starts = [e.time_range.start for e in calls]
+    intervals = [(e.time_range.start, e.time_range.end) for e in device]
+    busy, gaps = busy_and_gaps(intervals, MIN_GAP_US)
+    span = max(e for _, e in intervals) - min(s for s, _ in intervals)
+    sums: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
+    for start, end, _ in gaps:
+        at = bisect.bisect_right(starts, end) - 1
+        key = _launcher(calls[at]) if at >= 0 else "(no runtime call)"
+        sums[key][0] += end - start
+        sums[key][1] += 1
+    lines = [
+        f"device span {span / 1e6:.3f} s, busy {busy / 1e6:.3f} s, idle {(span - busy) / 1e6:.3f} s; "
+        f"{len(gaps)} gaps >= {MIN_GAP_US:.0f} us: {sum(e - s for s, e, _ in gaps) / 1e6:.3f} s",
+        "idle s  gaps  launcher of the work after the gap",
+    ]
+    for key, (total, count) in sorted(sums.items(), key=lambda kv: -kv[1][0])[:40]:
+        lines.append(f"{total / 1e6:6.3f} {count:5d}  {key}")
+    return "\n".join(lines)
 
 
 def main(out: str) -> None:
@@ -34,17 +103,17 @@ def main(out: str) -> None:
     timer = PhaseTimer(sync=torch.cuda.synchronize)
     for i in range(2):  # compilation, graph capture, allocator growth
         _step(step, roles, work, timer, f"warm-up {i}")
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], record_shapes=True) as prof:
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], with_stack=True) as prof:
         _step(step, roles, work, timer, "profiled")
         torch.cuda.synchronize()
+    events = prof.events()
+    gaps = gap_table(events)
+    with open(out + ".gaps.txt", "w") as f:
+        f.write(gaps + "\n")
+    print(gaps, flush=True)
     ops = prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=45, max_name_column_width=70)
-    shapes = prof.key_averages(group_by_input_shape=True).table(
-        sort_by="self_cuda_time_total", row_limit=30, max_name_column_width=60, max_shapes_column_width=90
-    )
     with open(out + ".ops.txt", "w") as f:
         f.write(ops)
-    with open(out + ".shapes.txt", "w") as f:
-        f.write(shapes)
     print(ops)
 
 
