@@ -20,6 +20,8 @@ runs on any device; it is the reference the faster paths are tested against.
 
 from __future__ import annotations
 
+import threading
+import weakref
 from dataclasses import dataclass, field
 
 import torch
@@ -293,19 +295,65 @@ def chunked_attention(
     seq = q.shape[0]
     if cu_seq_lens_q is None:
         return _chunk_sdpa(q, k, v, 1, seq, scaling, dropout)[None], None
-    buckets = _buckets(cu_seq_lens_q.tolist(), seq)  # one host read per layer, as the per-chunk loop does
-    if len(buckets) == 1 and len(buckets[0][1]) * buckets[0][0] == seq:  # equal chunks back to back
-        length, starts = buckets[0]
+    plan = chunk_plan(cu_seq_lens_q, seq, q.device)
+    if plan.index is None:  # equal chunks back to back
+        length, starts = plan.buckets[0]
         return _chunk_sdpa(q, k, v, len(starts), length, scaling, dropout)[None], None
-    host = torch.tensor([i for length, starts in buckets for s in starts for i in range(s, s + length)])
-    index = host.pin_memory().to(q.device, non_blocking=True) if q.is_cuda else host  # one copy per layer
     out, offset = q.new_empty(q.shape), 0
-    for length, starts in buckets:
-        rows = index[offset : offset + length * len(starts)]
+    for length, starts in plan.buckets:
+        rows = plan.index[offset : offset + length * len(starts)]
         chunk = [t.index_select(0, rows) for t in (q, k, v)]
         out.index_copy_(0, rows, _chunk_sdpa(*chunk, len(starts), length, scaling, dropout))
         offset += len(rows)
     return out[None], None
+
+
+@dataclass(frozen=True)
+class ChunkPlan:
+    """How ``chunked_attention`` batches a packed sequence of ``seq`` tokens: ``buckets``, (length, chunk
+    starts) per distinct non-zero chunk length; ``index``, int64 [seq] on the sequence's device, the
+    tokens in bucket order (None when the chunks are equal and back to back, which needs no gather)."""
+
+    seq: int
+    buckets: list[tuple[int, list[int]]]
+    index: torch.Tensor | None
+
+
+_PLANS: dict[tuple[int, int], tuple[weakref.ref, int, ChunkPlan]] = {}
+_PLAN_SLOTS = 8  # boundary tensors alive at once: two per vision forward (windows, frames)
+_PLAN_LOCK = threading.Lock()  # the rollplex schedule runs vision towers on two threads
+
+
+def chunk_plan(bounds: torch.Tensor, seq: int, device: torch.device) -> ChunkPlan:
+    """The ``ChunkPlan`` of chunk boundaries ``bounds`` (int [C + 1]), made once per boundary tensor
+    and stream.
+
+    Reading the boundaries makes the host wait for the device, and building the token order takes it
+    about a millisecond, during which the device sits idle. transformers hands the same boundary
+    tensor to every block of a kind (windowed or full attention), and activation checkpointing's
+    recompute hands it over again, so the plan is kept per tensor: a vision forward reads two boundary
+    tensors, not one per block. A kept plan is used again only for the same tensor object, unmodified
+    (its version counter), on the stream that made it (its token order was copied there).
+
+    Raises:
+        ValueError: the boundaries do not cover ``seq`` tokens (``_buckets``).
+    """
+    stream = torch.cuda.current_stream(device).stream_id if device.type == "cuda" else 0
+    key = (id(bounds), stream)
+    kept = _PLANS.get(key)
+    if kept is not None and kept[0]() is bounds and kept[1] == bounds._version and kept[2].seq == seq:
+        return kept[2]
+    buckets = _buckets(bounds.tolist(), seq)
+    index = None
+    if not (len(buckets) == 1 and len(buckets[0][1]) * buckets[0][0] == seq):
+        host = torch.tensor([i for length, starts in buckets for s in starts for i in range(s, s + length)])
+        index = host.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else host
+    plan = ChunkPlan(seq, buckets, index)
+    with _PLAN_LOCK:
+        _PLANS[key] = (weakref.ref(bounds), bounds._version, plan)
+        while len(_PLANS) > _PLAN_SLOTS:
+            del _PLANS[next(iter(_PLANS))]
+    return plan
 
 
 def _check_chunked_call(query, attention_mask, is_causal, cu_q, cu_k, kwargs) -> None:
@@ -313,7 +361,7 @@ def _check_chunked_call(query, attention_mask, is_causal, cu_q, cu_k, kwargs) ->
     problems = []
     if attention_mask is not None or is_causal or query.shape[0] != 1:
         problems.append("no mask, non-causal, batch 1")
-    if cu_k is not None and (cu_q is None or not torch.equal(cu_k, cu_q)):
+    if cu_k is not None and cu_k is not cu_q and (cu_q is None or not torch.equal(cu_k, cu_q)):
         problems.append("key chunk boundaries equal to the query's")
     if cu_q is None and any(name.startswith("cu_seq") for name in kwargs):
         problems.append(f"boundaries as cu_seq_lens_q (got {sorted(kwargs)})")

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 
 from rollplex.models import attention
 from rollplex.models.attention import VISION_ATTENTION_NAME, chunked_attention
-from rollplex.models.forward import prepare_model
+from rollplex.models.forward import enable_checkpointing, prepare_model
 from tests.numerics.conftest import tiny_config
 
 
@@ -77,8 +77,8 @@ def test_calls_it_is_not_written_for_are_refused(call, message):
 
 
 def spy_batching(monkeypatch) -> dict[str, int]:
-    """Counts of chunk-boundary reads (one per layer when transformers hands the boundaries over) and
-    of batched SDPA calls (one per distinct chunk length and layer)."""
+    """Counts of chunk-boundary reads ("layers": one per boundary tensor transformers hands over, see
+    ``chunk_plan``) and of batched SDPA calls (one per distinct chunk length and layer)."""
     counts = {"layers": 0, "buckets": 0, "sdpa": 0}
     buckets, sdpa = attention._buckets, attention._chunk_sdpa
 
@@ -124,6 +124,49 @@ def test_vision_tower_batched_equals_transformers(grid, buckets, monkeypatch):
     assert (outs[0] - outs[1]).abs().max() <= 1e-12
     for a, b in zip(*grads):
         assert (a - b).abs().max() <= 1e-12 * max(1.0, float(a.abs().max()))
+
+
+def test_a_boundary_tensor_is_read_once(monkeypatch):
+    """``chunk_plan`` keeps the plan of a boundary tensor (each read makes the host wait for the device):
+    the same tensor again is not read again and gives the same values; equal values in another tensor,
+    or the tensor changed in place, are read again, and the changed boundaries are the ones used."""
+    counts = spy_batching(monkeypatch)
+    q, k, v = (torch.randn(1, 2, 51, 8, dtype=torch.float64) for _ in range(3))
+    cu = torch.tensor([0, 7, 8, 50, 51])
+    first, _ = chunked_attention(None, q, k, v, cu_seq_lens_q=cu, cu_seq_lens_k=cu)
+    again, _ = chunked_attention(None, q, k, v, cu_seq_lens_q=cu, cu_seq_lens_k=cu)
+    assert counts["layers"] == 1 and torch.equal(first, again)
+    other = cu.clone()
+    chunked_attention(None, q, k, v, cu_seq_lens_q=other)
+    assert counts["layers"] == 2
+    cu[1] = 3
+    got, _ = chunked_attention(None, q, k, v, cu_seq_lens_q=cu)
+    assert counts["layers"] == 3
+    assert (got - _loop(q, k, v, [0, 3, 8, 50, 51], None)).abs().max() <= 1e-12
+
+
+def test_the_tower_reads_each_boundary_tensor_once(monkeypatch):
+    """A four-block tower (windows in blocks 0 and 2, whole frames in 1 and 3) reads its two boundary
+    tensors once per forward, and activation checkpointing's recompute in backward reads none again
+    (read per block, that was 4 reads in forward and 4 more in backward); values as transformers'."""
+    from transformers import Qwen2_5_VLForConditionalGeneration
+
+    config = tiny_config()
+    config.vision_config.depth, config.vision_config.fullatt_block_indexes = 4, [1, 3]
+    torch.manual_seed(0)
+    reference = Qwen2_5_VLForConditionalGeneration(config).double()
+    model = copy.deepcopy(reference)
+    prepare_model(model, vision_attention="batched")
+    enable_checkpointing(model)
+    grid_thw = torch.tensor([(2, 12, 20)])
+    pixels = torch.randn(int(grid_thw.prod()), 3 * 2 * 14 * 14, dtype=torch.float64)
+    counts = spy_batching(monkeypatch)
+    out = model.model.visual(pixels.clone().requires_grad_(True), grid_thw=grid_thw).pooler_output
+    assert counts["layers"] == 2
+    out.square().sum().backward()
+    assert counts["layers"] == 2
+    want = reference.model.visual(pixels, grid_thw=grid_thw).pooler_output
+    assert (out - want).abs().max() <= 1e-12
 
 
 def test_unknown_vision_attention_is_named():
