@@ -42,7 +42,12 @@ def _checkpoint(assets, tmp_path, tie: bool):  # noqa: F811
 @pytest.mark.parametrize("tie", [False, True])
 def test_b16_rollouts_read_the_updated_weights(assets, tmp_path, tie, schedule):  # noqa: F811
     path = _checkpoint(assets, tmp_path, tie)
-    overrides = {"model.path": str(path), "algo.kl_coef": 0.05, "optim.weight_decay": 0.0, "run.device": "cpu"}
+    overrides = {
+        "model.path": str(path),
+        "algo.kl_coef": 0.05,
+        "optim.weight_decay": 0.0,
+        "run.device": "cpu",
+    }
     # no weight decay: a parameter changes only if a nonzero gradient reached it. On the CPU in float32,
     # where a stale rollout stands out (≥ 2e-5) against the trainer's log-probs (≤ 1e-6); a bf16 rollout's
     # own rounding (about 1e-2 on CUDA) would hide it
