@@ -24,7 +24,7 @@ for stage in $stages; do
   echo "=== $stage $(date -u +%FT%TZ)"
   case $stage in
     tests)
-      python3 -m pytest -q -p no:cacheprovider tests/numerics tests/schedule tests/rollout 2>&1 | tee "$OUT/tests.log" || status=1 ;;
+      python3 -m pytest -q -p no:cacheprovider tests/numerics tests/schedule tests/rollout tests/models 2>&1 | tee "$OUT/tests.log" || status=1 ;;
     train)
       [ -d "$WORK/3b" ] || rollplex model init --preset qwen2.5-vl-3b --out "$WORK/3b" --dtype bfloat16
       [ -d "$WORK/video" ] || rollplex data synth --out "$WORK/video" --num 16 --seed 0 \

@@ -320,7 +320,9 @@ class ChunkPlan:
 
 
 _PLANS: dict[tuple[int, int], tuple[weakref.ref, int, ChunkPlan]] = {}
-_PLAN_SLOTS = 8  # boundary tensors alive at once: two per vision forward (windows, frames)
+# plans kept at most: two boundary tensors (windows, frames) per vision forward whose recompute is still
+# to come (the rollplex schedule keeps every group's actor prefix until its backward), per stream
+_PLAN_SLOTS = 64
 _PLAN_LOCK = threading.Lock()  # the rollplex schedule runs vision towers on two threads
 
 
@@ -333,7 +335,8 @@ def chunk_plan(bounds: torch.Tensor, seq: int, device: torch.device) -> ChunkPla
     tensor to every block of a kind (windowed or full attention), and activation checkpointing's
     recompute hands it over again, so the plan is kept per tensor: a vision forward reads two boundary
     tensors, not one per block. A kept plan is used again only for the same tensor object, unmodified
-    (its version counter), on the stream that made it (its token order was copied there).
+    (its version counter), on the stream that made it (its token order was copied there). Plans of
+    boundary tensors that are gone are dropped at the next new plan.
 
     Raises:
         ValueError: the boundaries do not cover ``seq`` tokens (``_buckets``).
@@ -350,6 +353,8 @@ def chunk_plan(bounds: torch.Tensor, seq: int, device: torch.device) -> ChunkPla
         index = host.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else host
     plan = ChunkPlan(seq, buckets, index)
     with _PLAN_LOCK:
+        for dead in [k for k, (ref, _, _) in _PLANS.items() if ref() is None]:
+            del _PLANS[dead]  # their boundary tensors are gone: free the token orders
         _PLANS[key] = (weakref.ref(bounds), bounds._version, plan)
         while len(_PLANS) > _PLAN_SLOTS:
             del _PLANS[next(iter(_PLANS))]

@@ -145,6 +145,38 @@ def test_a_boundary_tensor_is_read_once(monkeypatch):
     assert (got - _loop(q, k, v, [0, 3, 8, 50, 51], None)).abs().max() <= 1e-12
 
 
+def test_plans_of_boundary_tensors_that_are_gone_are_dropped():
+    """A kept plan holds its token order on the device; once its boundary tensor is gone, the next new
+    plan drops it."""
+    q = torch.randn(1, 2, 51, 8, dtype=torch.float64)
+    gone = torch.tensor([0, 7, 8, 50, 51])
+    chunked_attention(None, q, q, q, cu_seq_lens_q=gone)
+    key = next(k for k, (ref, _, _) in attention._PLANS.items() if ref() is gone)
+    del gone
+    kept = torch.tensor([0, 3, 51])
+    chunked_attention(None, q, q, q, cu_seq_lens_q=kept)
+    assert key not in attention._PLANS
+    assert any(ref() is kept for ref, _, _ in attention._PLANS.values())
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_a_plan_is_kept_per_stream(monkeypatch):
+    """On CUDA a plan's token order was copied on the stream that made it, so another stream makes its
+    own; both give the per-chunk loop's values."""
+    counts = spy_batching(monkeypatch)
+    q = torch.randn(1, 2, 51, 8, device="cuda")
+    cu = torch.tensor([0, 7, 8, 50, 51], device="cuda")
+    want = _loop(q, q, q, [0, 7, 8, 50, 51], None)
+    for stream in (torch.cuda.current_stream(), torch.cuda.Stream(), torch.cuda.current_stream()):
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            got, _ = chunked_attention(None, q, q, q, cu_seq_lens_q=cu, cu_seq_lens_k=cu)
+        torch.cuda.current_stream().wait_stream(stream)
+        assert (got - want).abs().max() <= 1e-5
+    assert counts["layers"] == 2
+
+
 def test_the_tower_reads_each_boundary_tensor_once(monkeypatch):
     """A four-block tower (windows in blocks 0 and 2, whole frames in 1 and 3) reads its two boundary
     tensors once per forward, and activation checkpointing's recompute in backward reads none again
