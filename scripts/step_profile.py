@@ -2,7 +2,8 @@
 3,920-token video prompts, N = 8, 512-token responses): the phase times of two warm-up steps and of the
 profiled one; a torch.profiler table of the profiled step's operators and kernels by device time; and
 where the device sat idle: every gap of at least 100 µs between device activities, each charged to the
-Python line that launched the work ending it, summed by line.
+operators (and the Python frames, where the profiler's events carry them) that launched the work
+ending it, summed by launcher.
 
 Usage (CUDA): python scripts/step_profile.py OUT_PREFIX     # writes OUT_PREFIX.gaps.txt, OUT_PREFIX.ops.txt
 """
@@ -34,18 +35,17 @@ def _step(step, roles, work, timer, label: str) -> None:
 
 def busy_and_gaps(
     intervals: list[tuple[float, float]], min_gap: float
-) -> tuple[float, list[tuple[float, float, int]]]:
-    """Union length of ``intervals`` (start, end) and the gaps of at least ``min_gap`` between them, as
-    (gap start, gap end, index of the interval that ends the gap), in time order."""
-    order = sorted(range(len(intervals)), key=lambda i: intervals[i][0])
+) -> tuple[float, list[tuple[float, float]]]:
+    """Union length of ``intervals`` (start, end) and the gaps (start, end) of at least ``min_gap``
+    between them, in time order."""
+    ordered = sorted(intervals)
     busy, gaps = 0.0, []
-    lo, hi = intervals[order[0]]
-    for i in order[1:]:
-        start, end = intervals[i]
+    lo, hi = ordered[0]
+    for start, end in ordered[1:]:
         if start > hi:
             busy += hi - lo
             if start - hi >= min_gap:
-                gaps.append((hi, start, i))
+                gaps.append((hi, start))
             lo, hi = start, end
         else:
             hi = max(hi, end)
@@ -79,14 +79,14 @@ def gap_table(events) -> str:
     busy, gaps = busy_and_gaps(intervals, MIN_GAP_US)
     span = max(e for _, e in intervals) - min(s for s, _ in intervals)
     sums: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
-    for start, end, _ in gaps:
+    for start, end in gaps:
         at = bisect.bisect_right(starts, end) - 1
         key = _launcher(calls[at]) if at >= 0 else "(no runtime call)"
         sums[key][0] += end - start
         sums[key][1] += 1
     lines = [
         f"device span {span / 1e6:.3f} s, busy {busy / 1e6:.3f} s, idle {(span - busy) / 1e6:.3f} s; "
-        f"{len(gaps)} gaps >= {MIN_GAP_US:.0f} us: {sum(e - s for s, e, _ in gaps) / 1e6:.3f} s",
+        f"{len(gaps)} gaps >= {MIN_GAP_US:.0f} us: {sum(e - s for s, e in gaps) / 1e6:.3f} s",
         "idle s  gaps  launcher of the work after the gap",
     ]
     for key, (total, count) in sorted(sums.items(), key=lambda kv: -kv[1][0])[:40]:

@@ -319,31 +319,35 @@ class ChunkPlan:
     index: torch.Tensor | None
 
 
-_PLANS: dict[tuple[int, int], tuple[weakref.ref, int, ChunkPlan]] = {}
-# plans kept at most: two boundary tensors (windows, frames) per vision forward whose recompute is still
-# to come (the rollplex schedule keeps every group's actor prefix until its backward), per stream
+_PLANS: dict[tuple, tuple[weakref.ref, int, ChunkPlan]] = {}
+# plans kept at most, over all streams and threads: two boundary tensors (windows, frames) per vision
+# forward whose recompute is still to come (the rollplex schedule keeps every group's actor prefix
+# until its backward)
 _PLAN_SLOTS = 64
 _PLAN_LOCK = threading.Lock()  # the rollplex schedule runs vision towers on two threads
 
 
 def chunk_plan(bounds: torch.Tensor, seq: int, device: torch.device) -> ChunkPlan:
-    """The ``ChunkPlan`` of chunk boundaries ``bounds`` (int [C + 1]), made once per boundary tensor
-    and stream.
+    """The ``ChunkPlan`` of chunk boundaries ``bounds`` (int [C + 1]) for a sequence on ``device``, made
+    once per boundary tensor, device and stream.
 
     Reading the boundaries makes the host wait for the device, and building the token order takes it
     about a millisecond, during which the device sits idle. transformers hands the same boundary
     tensor to every block of a kind (windowed or full attention), and activation checkpointing's
     recompute hands it over again, so the plan is kept per tensor: a vision forward reads two boundary
-    tensors, not one per block. A kept plan is used again only for the same tensor object, unmodified
-    (its version counter), on the stream that made it (its token order was copied there). Plans of
-    boundary tensors that are gone are dropped at the next new plan.
+    tensors, not one per block. A kept plan is used again only for the same tensor object, unchanged
+    as far as its version counter tells (writes that bypass it, through ``.data`` or a NumPy view, are
+    not seen), on the device and stream that made it (its token order was copied there). Plans of
+    boundary tensors that are gone are dropped at the next new plan. Inference tensors have no
+    version counter: their plans are made every call and not kept.
 
     Raises:
         ValueError: the boundaries do not cover ``seq`` tokens (``_buckets``).
     """
     stream = torch.cuda.current_stream(device).stream_id if device.type == "cuda" else 0
-    key = (id(bounds), stream)
-    kept = _PLANS.get(key)
+    key = (id(bounds), device.type, device.index, stream)
+    keep = not bounds.is_inference()
+    kept = _PLANS.get(key) if keep else None
     if kept is not None and kept[0]() is bounds and kept[1] == bounds._version and kept[2].seq == seq:
         return kept[2]
     buckets = _buckets(bounds.tolist(), seq)
@@ -352,13 +356,21 @@ def chunk_plan(bounds: torch.Tensor, seq: int, device: torch.device) -> ChunkPla
         host = torch.tensor([i for length, starts in buckets for s in starts for i in range(s, s + length)])
         index = host.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else host
     plan = ChunkPlan(seq, buckets, index)
+    if keep:
+        _keep(key, bounds, plan)
+    return plan
+
+
+def _keep(key: tuple, bounds: torch.Tensor, plan: ChunkPlan) -> None:
+    """Keep ``plan`` under ``key`` (newest last), dropping the plans of boundary tensors that are gone and
+    the oldest beyond ``_PLAN_SLOTS``."""
     with _PLAN_LOCK:
         for dead in [k for k, (ref, _, _) in _PLANS.items() if ref() is None]:
             del _PLANS[dead]  # their boundary tensors are gone: free the token orders
+        _PLANS.pop(key, None)
         _PLANS[key] = (weakref.ref(bounds), bounds._version, plan)
         while len(_PLANS) > _PLAN_SLOTS:
             del _PLANS[next(iter(_PLANS))]
-    return plan
 
 
 def _check_chunked_call(query, attention_mask, is_causal, cu_q, cu_k, kwargs) -> None:

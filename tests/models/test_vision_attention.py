@@ -5,6 +5,7 @@ and gradients, in float64."""
 from __future__ import annotations
 
 import copy
+import weakref
 
 import pytest
 import torch
@@ -77,14 +78,14 @@ def test_calls_it_is_not_written_for_are_refused(call, message):
 
 
 def spy_batching(monkeypatch) -> dict[str, int]:
-    """Counts of chunk-boundary reads ("layers": one per boundary tensor transformers hands over, see
+    """Counts of chunk-boundary reads ("reads": one per boundary tensor transformers hands over, see
     ``chunk_plan``) and of batched SDPA calls (one per distinct chunk length and layer)."""
-    counts = {"layers": 0, "buckets": 0, "sdpa": 0}
+    counts = {"reads": 0, "buckets": 0, "sdpa": 0}
     buckets, sdpa = attention._buckets, attention._chunk_sdpa
 
     def counted_buckets(bounds, seq):
         out = buckets(bounds, seq)
-        counts["layers"] += 1
+        counts["reads"] += 1
         counts["buckets"] += len(out)
         return out
 
@@ -120,7 +121,7 @@ def test_vision_tower_batched_equals_transformers(grid, buckets, monkeypatch):
         weight = model.model.visual.blocks[0].attn.qkv.weight
         outs.append(out)
         grads.append(torch.autograd.grad(out.square().sum(), (px, weight)))
-    assert counts == {"layers": 2, "buckets": buckets, "sdpa": buckets}  # the batched model's forward only
+    assert counts == {"reads": 2, "buckets": buckets, "sdpa": buckets}  # the batched model's forward only
     assert (outs[0] - outs[1]).abs().max() <= 1e-12
     for a, b in zip(*grads):
         assert (a - b).abs().max() <= 1e-12 * max(1.0, float(a.abs().max()))
@@ -135,13 +136,13 @@ def test_a_boundary_tensor_is_read_once(monkeypatch):
     cu = torch.tensor([0, 7, 8, 50, 51])
     first, _ = chunked_attention(None, q, k, v, cu_seq_lens_q=cu, cu_seq_lens_k=cu)
     again, _ = chunked_attention(None, q, k, v, cu_seq_lens_q=cu, cu_seq_lens_k=cu)
-    assert counts["layers"] == 1 and torch.equal(first, again)
+    assert counts["reads"] == 1 and torch.equal(first, again)
     other = cu.clone()
     chunked_attention(None, q, k, v, cu_seq_lens_q=other)
-    assert counts["layers"] == 2
+    assert counts["reads"] == 2
     cu[1] = 3
     got, _ = chunked_attention(None, q, k, v, cu_seq_lens_q=cu)
-    assert counts["layers"] == 3
+    assert counts["reads"] == 3
     assert (got - _loop(q, k, v, [0, 3, 8, 50, 51], None)).abs().max() <= 1e-12
 
 
@@ -160,6 +161,32 @@ def test_plans_of_boundary_tensors_that_are_gone_are_dropped():
     assert any(ref() is kept for ref, _, _ in attention._PLANS.values())
 
 
+def test_a_kept_plan_serves_only_its_own_tensor():
+    """A plan kept under a tensor's key is used only while that very tensor lives (its id may be taken
+    over by a later tensor once it is gone) and for the same sequence length: a wrong plan planted under
+    the key of a gone tensor, or of the same tensor at another length, is not used."""
+    q = torch.randn(1, 2, 51, 8, dtype=torch.float64)
+    cu = torch.tensor([0, 7, 8, 50, 51])
+    wrong = attention.ChunkPlan(51, [(51, [0])], None)  # one chunk of 51: attention across all tokens
+    key = (id(cu), "cpu", None, 0)
+    attention._PLANS[key] = (weakref.ref(torch.tensor([0])), cu._version, wrong)  # a gone tensor's plan
+    got, _ = chunked_attention(None, q, q, q, cu_seq_lens_q=cu)
+    assert (got - _loop(q, q, q, [0, 7, 8, 50, 51], None)).abs().max() <= 1e-12
+    attention._PLANS[key] = (weakref.ref(cu), cu._version, attention.ChunkPlan(40, [(40, [0])], None))
+    got, _ = chunked_attention(None, q, q, q, cu_seq_lens_q=cu)
+    assert (got - _loop(q, q, q, [0, 7, 8, 50, 51], None)).abs().max() <= 1e-12
+
+
+def test_inference_tensors_get_a_plan_that_is_not_kept():
+    """Inference tensors have no version counter: their plan is made each call and not kept."""
+    q = torch.randn(1, 2, 51, 8, dtype=torch.float64)
+    with torch.inference_mode():
+        cu = torch.tensor([0, 7, 8, 50, 51])
+        got, _ = chunked_attention(None, q, q, q, cu_seq_lens_q=cu)
+    assert (got - _loop(q, q, q, [0, 7, 8, 50, 51], None)).abs().max() <= 1e-12
+    assert not any(ref() is cu for ref, _, _ in attention._PLANS.values())
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_a_plan_is_kept_per_stream(monkeypatch):
@@ -175,7 +202,7 @@ def test_a_plan_is_kept_per_stream(monkeypatch):
             got, _ = chunked_attention(None, q, q, q, cu_seq_lens_q=cu, cu_seq_lens_k=cu)
         torch.cuda.current_stream().wait_stream(stream)
         assert (got - want).abs().max() <= 1e-5
-    assert counts["layers"] == 2
+    assert counts["reads"] == 2
 
 
 def test_the_tower_reads_each_boundary_tensor_once(monkeypatch):
@@ -195,9 +222,9 @@ def test_the_tower_reads_each_boundary_tensor_once(monkeypatch):
     pixels = torch.randn(int(grid_thw.prod()), 3 * 2 * 14 * 14, dtype=torch.float64)
     counts = spy_batching(monkeypatch)
     out = model.model.visual(pixels.clone().requires_grad_(True), grid_thw=grid_thw).pooler_output
-    assert counts["layers"] == 2
+    assert counts["reads"] == 2
     out.square().sum().backward()
-    assert counts["layers"] == 2
+    assert counts["reads"] == 2
     want = reference.model.visual(pixels, grid_thw=grid_thw).pooler_output
     assert (out - want).abs().max() <= 1e-12
 
@@ -219,9 +246,9 @@ def test_prepare_model_switches_the_vision_tower_both_ways(monkeypatch):
     grid_thw = torch.tensor([(1, 8, 8)])
     pixels = torch.randn(int(grid_thw.prod()), 3 * 2 * 14 * 14, dtype=torch.float64)
     counts = spy_batching(monkeypatch)
-    for mode, layers in (("batched", 2), ("per_chunk", 2), ("batched", 4)):
+    for mode, reads in (("batched", 2), ("per_chunk", 2), ("batched", 4)):
         prepare_model(model, vision_attention=mode)
         model.model.visual(pixels, grid_thw=grid_thw)
-        assert counts["layers"] == layers
+        assert counts["reads"] == reads
     prepare_model(model, vision_attention="per_chunk")
     assert model.model.visual.config._attn_implementation == built_with != VISION_ATTENTION_NAME

@@ -189,7 +189,8 @@ def test_graph_replay_equals_eager_decode(models, attention, sampling, gate, mon
 def test_batched_vision_attention_bf16(models, monkeypatch):
     """bf16 on CUDA: the batched vision attention gives the vision tower's output within bf16 rounding
     of transformers' per-window loop (same kernels, batched), gradients included; this transformers
-    version hands the window boundaries over (one boundary read per layer)."""
+    version hands the window boundaries over: the window and the frame boundaries, each read once
+    (``chunk_plan``), whatever the number of blocks."""
     from rollplex.models.forward import prepare_model
     from tests.models.test_vision_attention import spy_batching
 
@@ -208,6 +209,6 @@ def test_batched_vision_attention_bf16(models, monkeypatch):
         grads.append(torch.autograd.grad(out.square().sum(), px)[0].float())
     scale = float(outs[0].abs().max())
     print(f"batched vs per-window vision: max {float((outs[0] - outs[1]).abs().max()):.3g} of {scale:.3g}")
-    assert counts["layers"] == len(batched.model.visual.blocks) and counts["sdpa"] == counts["buckets"]
+    assert counts["reads"] == 2 and counts["sdpa"] == counts["buckets"]
     assert float((outs[0] - outs[1]).abs().max()) <= 2e-2 * scale
     assert float((grads[0] - grads[1]).abs().max()) <= 2e-2 * float(grads[0].abs().max())

@@ -50,7 +50,7 @@ def test_b16_rollouts_read_the_updated_weights(assets, tmp_path, tie, schedule):
     }
     # no weight decay: a parameter changes only if a nonzero gradient reached it. On the CPU in float32,
     # where a stale rollout stands out (≥ 2e-5) against the trainer's log-probs (≤ 1e-6); a bf16 rollout's
-    # own rounding (about 1e-2 on CUDA) would hide it
+    # differences (1.7e-2 on CUDA) would hide it
     cfg = _config(assets, tmp_path / "run", 3, **overrides, **SCHEDULES[schedule])
     run = build_run(cfg)
     actor, reference = run.roles.actor, run.roles.reference
