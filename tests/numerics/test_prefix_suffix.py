@@ -1,7 +1,7 @@
 """Prefix + suffix == full sequence: log-probs (≤ 1e-10 abs) and gradients (≤ 1e-9 rel), float64.
 
 docs/numerics.md, the first rows. Cases: images and videos with different second_per_grid_ts, text-only
-prompts mixed with video prompts (B15), several groups of different prompt lengths in one batch,
+prompts mixed with video prompts (B15 a), multi-image prompts in either order (B15 b), several groups of different prompt lengths in one batch,
 responses of length 1 and of the full budget, a response containing a vision placeholder id (B05),
 consecutive calls with different layouts (B01).
 """
@@ -72,6 +72,31 @@ def test_placeholder_ids_in_responses_are_plain_text(models):
     prefix = prefix_forward(model, prompts, temperature=T, banned_ids=BANNED, attached=False)
     banned, _ = suffix_logprobs(model, prefix, responses, group_size=N, temperature=T, banned_ids=BANNED)
     assert banned[1, 2] == banned[4, 0] == banned[7, 3] == float("-inf")
+
+
+def test_multi_image_prompts_keep_their_own_images_in_any_order(models):
+    """B15 (b): S0 holds two images (grids (1, 4, 4) and (1, 2, 2): 20 pixel rows, 5 placeholders), S1
+    one ((1, 4, 6): 24 rows, 6 placeholders). Pixel rows and grids travel with their prompt, never split
+    per image across the batch, so a batch in either order scores every response as the full-sequence
+    oracle does for its own prompt alone."""
+    model, oracle = models
+    s0 = make_prompt([3, 2, 2], [("image", (1, 4, 4), 0.0), ("image", (1, 2, 2), 0.0)], seed=11)
+    s1 = make_prompt([4, 3], [("image", (1, 4, 6), 0.0)], seed=12)
+    assert s0.pixel_values.shape[0] == 20 and s0.image_grid_thw.tolist() == [[1, 4, 4], [1, 2, 2]]
+    assert s1.pixel_values.shape[0] == 24 and s1.image_grid_thw.tolist() == [[1, 4, 6]]
+    assert [int((p.input_ids == IMAGE).sum()) for p in (s0, s1)] == [5, 6]
+    g = torch.Generator().manual_seed(13)
+    responses = [torch.randint(3, 150, (N, R), generator=g) for _ in range(2)]
+    with torch.no_grad():
+        want = [[full_logprobs(oracle, p, r[n], T) for n in range(N)] for p, r in zip((s0, s1), responses)]
+    for order in ([0, 1], [1, 0]):
+        prompts = [(s0, s1)[i] for i in order]
+        prefix = prefix_forward(model, prompts, temperature=T, banned_ids=BANNED, attached=False)
+        batch = torch.cat([responses[i] for i in order])
+        got, _ = suffix_logprobs(model, prefix, batch, group_size=N, temperature=T, banned_ids=BANNED)
+        for slot, i in enumerate(order):
+            for n in range(N):
+                assert (got[slot * N + n] - want[i][n]).abs().max() <= 1e-10, (order, i, n)
 
 
 def test_no_layout_state_leaks_between_calls(models):
