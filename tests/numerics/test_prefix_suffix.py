@@ -1,9 +1,9 @@
 """Prefix + suffix == full sequence: log-probs (≤ 1e-10 abs) and gradients (≤ 1e-9 rel), float64.
 
 docs/numerics.md, the first rows. Cases: images and videos with different second_per_grid_ts, text-only
-prompts mixed with video prompts (B15 a), multi-image prompts in either order (B15 b), several groups of different prompt lengths in one batch,
-responses of length 1 and of the full budget, a response containing a vision placeholder id (B05),
-consecutive calls with different layouts (B01).
+prompts mixed with video prompts (B15 a), multi-image prompts in either order (B15 b), several groups of
+different prompt lengths in one batch, responses of length 1 and of the full budget, a response
+containing a vision placeholder id (B05), consecutive calls with different layouts (B01).
 """
 
 from __future__ import annotations
