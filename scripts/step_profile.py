@@ -2,8 +2,8 @@
 3,920-token video prompts, N = 8, 512-token responses): the phase times of two warm-up steps and of the
 profiled one; a torch.profiler table of the profiled step's operators and kernels by device time; and
 where the device sat idle: every gap of at least 100 µs between device activities, each charged to the
-operators (and the Python frames, where the profiler's events carry them) that launched the work
-ending it, summed by launcher.
+innermost ``rollplex/...`` profiler range (phase, prefix, suffix, vision) and the operators (and Python
+frames, where the profiler's events carry them) that launched the work ending it, summed by launcher.
 
 Usage (CUDA): python scripts/step_profile.py OUT_PREFIX     # writes OUT_PREFIX.gaps.txt, OUT_PREFIX.ops.txt
 """
@@ -53,16 +53,21 @@ def busy_and_gaps(
 
 
 def _launcher(cpu) -> str:
-    """The CPU ops above the runtime call ``cpu`` (innermost first, up to three) and the innermost
+    """The innermost ``rollplex/...`` profiler range around the runtime call ``cpu`` (phases, prefix,
+    suffix, vision), the CPU ops above the call (innermost first, up to three), and the innermost
     rollplex/transformers/torch frames of the first of them with a Python stack (autograd's backward
     thread has none)."""
-    names, frames = [], []
-    while cpu is not None and not frames:
-        if len(names) < 3 and not cpu.name.startswith("cuda"):
+    names, frames, rng = [], [], ""
+    while cpu is not None:
+        if not rng and cpu.name.startswith("rollplex/"):
+            rng = cpu.name
+        elif len(names) < 3 and not cpu.name.startswith(("cuda", "rollplex/")):
             names.append(cpu.name)
-        frames = [f for f in cpu.stack if any(tag in f for tag in OUR_FRAMES)][:3]
+        if not frames:
+            frames = [f for f in cpu.stack if any(tag in f for tag in OUR_FRAMES)][:3]
         cpu = cpu.cpu_parent
-    return " < ".join(names or ["(no CPU op)"]) + (" @ " + " <- ".join(frames) if frames else "")
+    head = f"[{rng or 'no rollplex range'}] " + " < ".join(names or ["(no CPU op)"])
+    return head + (" @ " + " <- ".join(frames) if frames else "")
 
 
 def gap_table(events) -> str:

@@ -33,6 +33,7 @@ from rollplex.models.attention import (
 )
 from rollplex.models.positions import response_positions
 from rollplex.models.vision_mlp import set_vision_mlp_padding
+from rollplex.observe.metrics import profiled
 from rollplex.rollout.sampler import entropy as entropy_of
 from rollplex.rollout.sampler import token_logprobs
 from rollplex.types import PrefixState, Prompt
@@ -74,6 +75,7 @@ def enable_checkpointing(model) -> None:
     model.train(True)
 
 
+@profiled("rollplex/vision")
 def _vision_output(model, pixels: torch.Tensor, grid_thw: torch.Tensor) -> torch.Tensor:
     """Merged vision embeddings [tokens, Hd] of all images (or all videos) of one prompt.
 
@@ -205,6 +207,7 @@ def detach_prefix(state: PrefixState) -> PrefixState:
     )
 
 
+@profiled("rollplex/prefix")
 def prefix_forward(
     model, prompts: list[Prompt], *, temperature: float, banned_ids: torch.Tensor, attached: bool
 ) -> PrefixState:
@@ -215,6 +218,7 @@ def prefix_forward(
         return merge_prefixes(states)
 
 
+@profiled("rollplex/suffix")
 def suffix_logprobs(
     model,
     prefix: PrefixState,

@@ -10,6 +10,11 @@ in step order. Non-finite values are written as ``null`` (strict JSON). Keys the
 the compared reward, ``reward.temporal_reward``; ``accuracy`` and ``val_accuracy`` stay the built-in
 accuracy) and ``temporal/bonus_group_fraction`` (fraction of the video groups given the bonus).
 
+Profiler ranges: every phase, and the model work that ``profiled`` marks (``rollplex/prefix``,
+``rollplex/suffix``, ``rollplex/vision``), opens a ``torch.profiler.record_function`` range named
+``rollplex/...``, so a torch.profiler trace of a run shows which part of the step launched each kernel
+(scripts/step_profile.py charges idle device time to them).
+
 Chrome trace: ``write_chrome_trace`` writes the Trace Event Format (complete events, ``"ph": "X"``,
 microseconds; https://docs.google.com/document/d/1CvAClvFfyA5R-PhYUmn5OOQtYMH4h6I0nSsKchNAySU), one
 thread row per stream label; open it in Perfetto or chrome://tracing.
@@ -17,6 +22,7 @@ thread row per stream label; open it in Perfetto or chrome://tracing.
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
@@ -28,6 +34,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO
 
+import torch
 from tqdm import tqdm
 
 from rollplex.types import StepStats
@@ -162,10 +169,12 @@ class PhaseTimer:
 
     @contextmanager
     def phase(self, name: str, stream: str = "main") -> Iterator[None]:
-        """Time the body as phase ``name`` on the trace row ``stream``."""
+        """Time the body as phase ``name`` on the trace row ``stream`` (and mark it as the profiler range
+        ``rollplex/phase/<name>``)."""
         start = self._now()
         try:
-            yield
+            with torch.profiler.record_function(f"rollplex/phase/{name}"):
+                yield
         finally:
             self.record(name, start, self._now(), stream)
 
@@ -183,6 +192,21 @@ class PhaseTimer:
         out = {f"time/{name}": seconds for name, seconds in self._totals.items()}
         self._totals = defaultdict(float)
         return out
+
+
+def profiled(name: str) -> Callable[[Callable], Callable]:
+    """Decorator: each call of the function runs inside the profiler range ``name`` (a fresh
+    ``torch.profiler.record_function`` per call, so calls from several threads do not share one)."""
+
+    def wrap(fn: Callable) -> Callable:
+        @functools.wraps(fn)
+        def inner(*args, **kwargs):
+            with torch.profiler.record_function(name):
+                return fn(*args, **kwargs)
+
+        return inner
+
+    return wrap
 
 
 def chrome_trace(spans: list[Span]) -> dict:

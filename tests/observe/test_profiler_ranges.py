@@ -1,0 +1,66 @@
+"""Profiler ranges: a torch.profiler trace of the model work shows which part of the step launched each
+operator (``rollplex/phase/<name>``, ``rollplex/prefix``, ``rollplex/vision``, ``rollplex/suffix``),
+one range per call."""
+
+from __future__ import annotations
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from rollplex.models.forward import prefix_forward, prepare_model, suffix_logprobs
+from rollplex.observe.metrics import PhaseTimer, profiled
+from tests.numerics.conftest import BANNED, make_prompt, tiny_config
+
+
+def _parents(event) -> list[str]:
+    names = []
+    while event is not None:
+        names.append(event.name)
+        event = event.cpu_parent
+    return names
+
+
+def test_model_work_runs_inside_its_ranges():
+    from transformers import Qwen2_5_VLForConditionalGeneration
+
+    torch.manual_seed(0)
+    model = Qwen2_5_VLForConditionalGeneration(tiny_config()).double()
+    prepare_model(model)
+    prompt = make_prompt([3, 2], [("video", (2, 4, 4), 0.5)], seed=1)
+    timer = PhaseTimer()
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        with timer.phase("reference"), torch.no_grad():
+            prefix = prefix_forward(model, [prompt], temperature=1.0, banned_ids=BANNED, attached=False)
+            suffix_logprobs(
+                model, prefix, torch.tensor([[5, 6, 7]]), group_size=1, temperature=1.0, banned_ids=BANNED
+            )
+    events = prof.events()
+    counts = {
+        n: sum(e.name == n for e in events)
+        for n in ("rollplex/phase/reference", "rollplex/prefix", "rollplex/vision", "rollplex/suffix")
+    }
+    assert counts == {
+        "rollplex/phase/reference": 1,
+        "rollplex/prefix": 1,
+        "rollplex/vision": 1,
+        "rollplex/suffix": 1,
+    }
+    products = ("aten::mm", "aten::addmm", "aten::bmm", "aten::matmul", "aten::linear")
+    mm = [_parents(e) for e in events if e.name in products]
+    assert any("rollplex/vision" in p and "rollplex/prefix" in p for p in mm)  # nested as called
+    assert any("rollplex/suffix" in p and "rollplex/prefix" not in p for p in mm)
+    assert all("rollplex/phase/reference" in p for p in mm)
+
+
+def test_each_call_gets_its_own_range():
+    """A fresh range per call, so nested (or concurrent) calls of one profiled function do not share one."""
+
+    @profiled("rollplex/test")
+    def work(depth: int) -> torch.Tensor:
+        return torch.ones(4).sum() + (work(depth - 1) if depth else 0)
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        work(1)
+    ranges = [e for e in prof.events() if e.name == "rollplex/test"]
+    assert len(ranges) == 2
+    assert sum(e.cpu_parent is not None and e.cpu_parent.name == "rollplex/test" for e in ranges) == 1
