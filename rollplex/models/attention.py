@@ -344,8 +344,7 @@ def chunk_plan(bounds: torch.Tensor, seq: int, device: torch.device) -> ChunkPla
     Raises:
         ValueError: the boundaries do not cover ``seq`` tokens (``_buckets``).
     """
-    stream = torch.cuda.current_stream(device).stream_id if device.type == "cuda" else 0
-    key = (id(bounds), device.type, device.index, stream)
+    key = _plan_key(bounds, device)
     keep = not bounds.is_inference()
     kept = _PLANS.get(key) if keep else None
     if kept is not None and kept[0]() is bounds and kept[1] == bounds._version and kept[2].seq == seq:
@@ -359,6 +358,12 @@ def chunk_plan(bounds: torch.Tensor, seq: int, device: torch.device) -> ChunkPla
     if keep:
         _keep(key, bounds, plan)
     return plan
+
+
+def _plan_key(bounds: torch.Tensor, device: torch.device) -> tuple:
+    """The key of the plan of ``bounds`` for a sequence on ``device``, on the current stream."""
+    stream = torch.cuda.current_stream(device).stream_id if device.type == "cuda" else 0
+    return id(bounds), device.type, device.index, stream
 
 
 def _keep(key: tuple, bounds: torch.Tensor, plan: ChunkPlan) -> None:

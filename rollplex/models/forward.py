@@ -135,6 +135,7 @@ def _pad_stack(tensors: list[torch.Tensor], length: int) -> torch.Tensor:
     return torch.cat([F.pad(t, (0, 0, 0, length - t.shape[2])) for t in tensors], dim=0)
 
 
+@profiled("rollplex/prefix")
 def prefix_states(
     model, prompts: list[Prompt], *, temperature: float, banned_ids: torch.Tensor, attached: bool
 ) -> list[PrefixState]:
@@ -207,7 +208,6 @@ def detach_prefix(state: PrefixState) -> PrefixState:
     )
 
 
-@profiled("rollplex/prefix")
 def prefix_forward(
     model, prompts: list[Prompt], *, temperature: float, banned_ids: torch.Tensor, attached: bool
 ) -> PrefixState:

@@ -10,10 +10,12 @@ in step order. Non-finite values are written as ``null`` (strict JSON). Keys the
 the compared reward, ``reward.temporal_reward``; ``accuracy`` and ``val_accuracy`` stay the built-in
 accuracy) and ``temporal/bonus_group_fraction`` (fraction of the video groups given the bonus).
 
-Profiler ranges: every phase, and the model work that ``profiled`` marks (``rollplex/prefix``,
-``rollplex/suffix``, ``rollplex/vision``), opens a ``torch.profiler.record_function`` range named
-``rollplex/...``, so a torch.profiler trace of a run shows which part of the step launched each kernel
-(scripts/step_profile.py charges idle device time to them).
+Profiler ranges: every phase (``rollplex/phase/<name>``; the rollplex schedule's Phase-1 rollout and
+worker-thread prefixes included), and the model work that ``profiled`` marks (``rollplex/prefix``,
+``rollplex/suffix``, ``rollplex/vision``), opens a ``torch.profiler.record_function`` range, so a
+torch.profiler trace of a run shows which part of the step launched each kernel (observe.idle charges
+idle device time to them). torch.profiler records the thread that started it; the worker thread's
+ranges show only where the profiler is set to record other threads too.
 
 Chrome trace: ``write_chrome_trace`` writes the Trace Event Format (complete events, ``"ph": "X"``,
 microseconds; https://docs.google.com/document/d/1CvAClvFfyA5R-PhYUmn5OOQtYMH4h6I0nSsKchNAySU), one
@@ -196,7 +198,9 @@ class PhaseTimer:
 
 def profiled(name: str) -> Callable[[Callable], Callable]:
     """Decorator: each call of the function runs inside the profiler range ``name`` (a fresh
-    ``torch.profiler.record_function`` per call, so calls from several threads do not share one)."""
+    ``torch.profiler.record_function`` per call, so calls from several threads do not share one; the
+    range closes when the call returns or raises). Not for generator functions, whose body runs after
+    the call has returned."""
 
     def wrap(fn: Callable) -> Callable:
         @functools.wraps(fn)

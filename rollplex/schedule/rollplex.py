@@ -33,6 +33,7 @@ import torch
 
 from rollplex.config import Config
 from rollplex.models.forward import detach_prefix, merge_prefixes, prefix_states
+from rollplex.observe.metrics import profiled
 from rollplex.phases import (
     ActorStats,
     Roles,
@@ -164,13 +165,13 @@ def _overlapped(
     n, sampling, device = roles.config.rollout.group_size, roles.sampling, roles.banned_ids.device
     stream = decode_stream(device) if policy.decode_priority and device.type == "cuda" else None
     carveout = policy.sm_carveout if sampling.cuda_graphs else 0  # eager decode would be carved out too
-    worker = SideWork(side, device, sm_carveout=carveout)
+    worker = SideWork(profiled("rollplex/phase/prefix")(side), device, sm_carveout=carveout)
     start = timer.now()
     if seed is None:
         # the rollout prefill on the main stream, not the decode stream: the caching allocator reuses
         # freed memory only on the stream that allocated it, and Phase 2 runs on the main stream
         seed = rollout_prefix(roles, prompts, sampling)
-    with on_stream(stream):
+    with on_stream(stream), torch.profiler.record_function("rollplex/phase/rollout"):
         try:
             rollout = rollout_phase(roles, prompts, n, sampling, prefix=seed, before_decode=worker.start)
         except BaseException:

@@ -168,13 +168,30 @@ def test_a_kept_plan_serves_only_its_own_tensor():
     q = torch.randn(1, 2, 51, 8, dtype=torch.float64)
     cu = torch.tensor([0, 7, 8, 50, 51])
     wrong = attention.ChunkPlan(51, [(51, [0])], None)  # one chunk of 51: attention across all tokens
-    key = (id(cu), "cpu", None, 0)
+    key = attention._plan_key(cu, q.device)
     attention._PLANS[key] = (weakref.ref(torch.tensor([0])), cu._version, wrong)  # a gone tensor's plan
     got, _ = chunked_attention(None, q, q, q, cu_seq_lens_q=cu)
     assert (got - _loop(q, q, q, [0, 7, 8, 50, 51], None)).abs().max() <= 1e-12
     attention._PLANS[key] = (weakref.ref(cu), cu._version, attention.ChunkPlan(40, [(40, [0])], None))
     got, _ = chunked_attention(None, q, q, q, cu_seq_lens_q=cu)
     assert (got - _loop(q, q, q, [0, 7, 8, 50, 51], None)).abs().max() <= 1e-12
+
+
+def test_a_plan_made_again_is_the_newest_and_the_oldest_goes(monkeypatch):
+    """Past ``_PLAN_SLOTS`` the oldest plan goes; a plan made again for its tensor (changed in place)
+    counts as the newest, and a kept plan is the one used."""
+    monkeypatch.setattr(attention, "_PLANS", {})
+    monkeypatch.setattr(attention, "_PLAN_SLOTS", 2)
+    q = torch.randn(1, 2, 51, 8, dtype=torch.float64)
+    a, b, c = (torch.tensor([0, n, 51]) for n in (3, 5, 9))
+    for cu in (a, b):
+        chunked_attention(None, q, q, q, cu_seq_lens_q=cu)
+    a[1] = 4  # a's plan is made again: now the newest
+    chunked_attention(None, q, q, q, cu_seq_lens_q=a)
+    chunked_attention(None, q, q, q, cu_seq_lens_q=c)
+    assert [ref() for ref, _, _ in attention._PLANS.values()] == [a, c]
+    kept = attention._PLANS[attention._plan_key(c, q.device)][2]
+    assert attention.chunk_plan(c, 51, q.device) is kept
 
 
 def test_inference_tensors_get_a_plan_that_is_not_kept():

@@ -4,6 +4,7 @@ one range per call."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 from torch.profiler import ProfilerActivity, profile
 
@@ -64,3 +65,17 @@ def test_each_call_gets_its_own_range():
     ranges = [e for e in prof.events() if e.name == "rollplex/test"]
     assert len(ranges) == 2
     assert sum(e.cpu_parent is not None and e.cpu_parent.name == "rollplex/test" for e in ranges) == 1
+
+
+def test_a_range_closes_when_the_call_raises():
+    @profiled("rollplex/test")
+    def fails():
+        raise RuntimeError("boom")
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        with pytest.raises(RuntimeError, match="boom"):
+            fails()
+        torch.ones(2).sum()  # after the failed call: outside its range
+    after = [e for e in prof.events() if e.name == "aten::sum"]
+    assert len([e for e in prof.events() if e.name == "rollplex/test"]) == 1
+    assert after and all(e.cpu_parent is None or e.cpu_parent.name != "rollplex/test" for e in after)
