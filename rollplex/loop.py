@@ -341,16 +341,16 @@ def train(cfg: Config, resume: bool = False, overwrite: bool = False) -> Path:
     ignored = ignored_fields(cfg)
     if ignored:
         log.warning("%s set, but T-GRPO is off (reward.temporal_alpha=0): ignored", ", ".join(ignored))
+    ckpt = _resume_checkpoint(Path(cfg.run.out_dir)) if resume else None  # before anything is written
     run = build_run(cfg)
     run.run_dir.mkdir(parents=True, exist_ok=True)
     save_config(cfg, run.run_dir / "config.yaml")
     step = 0
-    if resume:
-        ckpt = latest_checkpoint(run.run_dir)
-        if ckpt is None:
-            raise ValueError(f"--resume: no checkpoint in {run.run_dir / 'checkpoints'}")
+    if ckpt is not None:
         step = restore(run, ckpt)
         log.info("resumed from %s at step %d", ckpt, step)
+        if step >= cfg.run.steps:
+            log.info("the run is at step %d of run.steps=%d: nothing left to train", step, cfg.run.steps)
     metrics = MetricsWriter(run.run_dir, resume_step=step if resume else None)
     first_eval = {} if resume else _maybe_eval(run, step, force=True)
     if first_eval:
@@ -380,6 +380,18 @@ def train(cfg: Config, resume: bool = False, overwrite: bool = False) -> Path:
     write_chrome_trace(timer.spans, run.run_dir / "trace.json")
     _summary(run, first_eval, record, time.perf_counter() - started)
     return run.run_dir
+
+
+def _resume_checkpoint(run_dir: Path) -> Path:
+    """The latest checkpoint of ``run_dir``.
+
+    Raises:
+        ValueError: the folder holds no checkpoint (nothing is written to it then).
+    """
+    ckpt = latest_checkpoint(run_dir)
+    if ckpt is None:
+        raise ValueError(f"--resume: no checkpoint in {run_dir / 'checkpoints'}")
+    return ckpt
 
 
 def _claim_run_dir(run_dir: Path, resume: bool, overwrite: bool) -> None:

@@ -225,3 +225,22 @@ def test_existing_run_folder_is_never_overwritten_by_accident(assets, tmp_path):
     assert (run / "metrics.jsonl").read_text() == before
     train(cfg, overwrite=True)
     assert [row["step"] for row in _metrics(run)] == [1]
+
+
+def test_resume_without_a_checkpoint_writes_nothing(assets, tmp_path):
+    """``--resume`` on a folder without a checkpoint fails naming it, and leaves no folder behind."""
+    cfg = _config(assets, tmp_path / "none", 1, **{"eval.every": 0, "data.val_path": ""})
+    with pytest.raises(ValueError, match="no checkpoint in"):
+        train(cfg, resume=True)
+    assert not (tmp_path / "none").exists()
+
+
+def test_resume_with_no_step_left_says_so(assets, tmp_path, caplog):
+    """Resuming a run already at ``run.steps`` trains nothing and says why."""
+    cfg = _config(assets, tmp_path / "run", 2, **{"eval.every": 0, "data.val_path": ""})
+    run = train(cfg)
+    before = (run / "metrics.jsonl").read_text()
+    with caplog.at_level("INFO"):
+        train(cfg, resume=True)
+    assert "at step 2 of run.steps=2: nothing left to train" in caplog.text
+    assert (run / "metrics.jsonl").read_text() == before
