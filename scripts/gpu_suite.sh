@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # GPU tests and benchmarks in one call. Usage: scripts/gpu_suite.sh [tests] [train] [prefix] [decode] [schedule]
-# (no argument = all). Results go under $OUT (default ./gpu-results): logs, metrics and JSON tables.
+# [profile] (no argument = all but profile; profile: one serial GRPO step profiled, idle time by launcher).
+# Results go under $OUT (default ./gpu-results): logs, metrics and JSON tables.
 # SCHEDULE_ROWS picks the rows of the schedule benchmark (default: rollplex bench schedule's default rows),
 # SCHEDULE_ARGS adds options (e.g. "--warmup 1 --steps 1"), SCHEDULE_NAME names its output files.
 # Wheels missing from the GPU image (PyAV, rouge-score, nltk) are installed from .whl/ when present.
@@ -36,6 +37,9 @@ for stage in $stages; do
       rollplex bench prefix --out "$OUT/bench-prefix.json" 2>&1 | tee "$OUT/bench-prefix.log" || status=1 ;;
     decode)
       rollplex bench decode --out "$OUT/bench-decode.json" 2>&1 | tee "$OUT/bench-decode.log" || status=1 ;;
+    profile)
+      python3 scripts/step_profile.py "$OUT/step" > "$OUT/profile.log" 2>&1 || status=1
+      cat "$OUT/step.gaps.txt" 2>/dev/null ;;
     schedule)
       name=${SCHEDULE_NAME:-bench-schedule}
       args=${SCHEDULE_ARGS:-}
