@@ -10,9 +10,9 @@ import torch
 from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
 
-from rollplex.models.forward import prefix_forward, prepare_model
+from rollplex.models.forward import prefix_forward
 from rollplex.observe.idle import busy_and_gaps, gap_table, launcher
-from tests.numerics.conftest import BANNED, make_prompt, tiny_config
+from tests.numerics.conftest import BANNED
 
 
 @dataclass
@@ -87,16 +87,11 @@ def test_a_profile_without_device_work_is_refused():
         gap_table([_Event("aten::mm", 0, 1)])
 
 
-def test_launcher_on_a_profile_names_the_innermost_rollplex_range():
+def test_launcher_on_a_profile_names_the_innermost_rollplex_range(tiny_video):
     """With Python stacks on, Python function events (named after their files, some under rollplex/)
     sit between the ranges and the operators: the range is still the innermost ``rollplex/...``
     record_function range, and the frames come from those events."""
-    from transformers import Qwen2_5_VLForConditionalGeneration
-
-    torch.manual_seed(0)
-    model = Qwen2_5_VLForConditionalGeneration(tiny_config()).double()
-    prepare_model(model)
-    prompt = make_prompt([3, 2], [("video", (2, 4, 4), 0.5)], seed=1)
+    model, prompt = tiny_video
     with profile(activities=[ProfilerActivity.CPU], with_stack=True) as prof, torch.no_grad():
         prefix_forward(model, [prompt], temperature=1.0, banned_ids=BANNED, attached=False)
     keys = {launcher(e) for e in prof.events() if e.name == "aten::addmm"}

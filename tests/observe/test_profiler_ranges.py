@@ -8,9 +8,9 @@ import pytest
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from rollplex.models.forward import prefix_forward, prepare_model, suffix_logprobs
+from rollplex.models.forward import prefix_forward, suffix_logprobs
 from rollplex.observe.metrics import PhaseTimer, profiled
-from tests.numerics.conftest import BANNED, make_prompt, tiny_config
+from tests.numerics.conftest import BANNED
 
 
 def _parents(event) -> list[str]:
@@ -21,13 +21,8 @@ def _parents(event) -> list[str]:
     return names
 
 
-def test_model_work_runs_inside_its_ranges():
-    from transformers import Qwen2_5_VLForConditionalGeneration
-
-    torch.manual_seed(0)
-    model = Qwen2_5_VLForConditionalGeneration(tiny_config()).double()
-    prepare_model(model)
-    prompt = make_prompt([3, 2], [("video", (2, 4, 4), 0.5)], seed=1)
+def test_model_work_runs_inside_its_ranges(tiny_video):
+    model, prompt = tiny_video
     timer = PhaseTimer()
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         with timer.phase("reference"), torch.no_grad():
