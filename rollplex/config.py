@@ -104,6 +104,13 @@ class RunConfig:
         "SM carve-out) while the worker runs; 0 = off",
         ge=0,
     )
+    prefix_sms: int = _field(
+        0,
+        "rollplex overlap: streaming multiprocessors the prefixes' kernels may use while decode runs (a "
+        "CUDA green context; with prefix_chunk_groups, chunks issued after decode ends get the whole GPU); "
+        "0 = all (off where torch or the driver lacks green contexts, with a warning)",
+        ge=0,
+    )
     auto_trials: int = _field(
         2, "auto schedule: trial steps per co-running policy before it keeps the fastest", ge=1
     )

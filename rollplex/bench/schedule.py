@@ -10,6 +10,8 @@ Rows (each from the same initial weights and optimizer state, same prompts and s
     both-same-priority    both, decode and prefixes at the same stream priority
     both-chunked          both, prefix work issued one group at a time
     both-carveout         both, half the SMs kept free of prefix matrix products
+    both-green            both, prefix kernels on half the SMs (a green context) while decode runs,
+                          one group per chunk (the chunks after decode get every SM)
 
 Warm-up iterations (allocator growth, graph capture, compilation, and auto's policy trials) are
 discarded; the table gives the median step time and its spread, the speedup over serial, the Phase-1
@@ -50,6 +52,7 @@ ROWS = {
     "both-same-priority": {**_BOTH, "run.decode_priority": False},
     "both-chunked": {**_BOTH, "run.prefix_chunk_groups": 1},
     "both-carveout": {**_BOTH, "run.prefix_sm_carveout": "half"},
+    "both-green": {**_BOTH, "run.prefix_sms": "half", "run.prefix_chunk_groups": 1},
 }
 MAIN_ROWS = ("serial", "overlap", "fusion", "both", "auto")
 

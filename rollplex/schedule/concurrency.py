@@ -10,11 +10,14 @@ Who waits on what:
                                                                      tensors are marked as used by it
 
 Co-running levers: decode on a high-priority stream (``decode_stream``; its CUDA graphs
-are captured on a stream of the same priority), the prefix work issued in chunks (the caller
-synchronises the worker stream between chunks), and an SM carve-out that keeps cuBLAS matrix products
-launched from ``SideWork.start`` until ``SideWork.decode_done`` off some SMs. The carve-out is process
-state: it is meant for captured decode, whose graphs keep the kernels they were captured with, and is
-lifted as soon as decode ends so prefix work left over runs on the whole GPU.
+are captured on a stream of the same priority), the prefix work issued in chunks (the worker
+synchronises its stream between chunks, ``SideWork.chunk_barrier``), an SM carve-out that keeps cuBLAS
+matrix products launched from ``SideWork.start`` until ``SideWork.decode_done`` off some SMs, and SM
+partitioning: the worker issues its kernels on a green-context stream (``green_stream``) whose kernels,
+of every kind, run on a fixed subset of the SMs, while decode's may use all of them. The carve-out is
+process state: it is meant for captured decode, whose graphs keep the kernels they were captured with,
+and is lifted as soon as decode ends so prefix work left over runs on the whole GPU; a green stream is
+left at the first chunk barrier after decode ends.
 
 Stream-ordered memory: tensors allocated on the decode or worker stream and later used on the main
 stream are safe to free because each Phase 1 starts with those streams waiting on the main stream,
@@ -36,6 +39,7 @@ same code path runs, and must give bitwise the same numbers, in the CPU tests.
 from __future__ import annotations
 
 import contextlib
+import logging
 import threading
 import time
 from collections.abc import Callable
@@ -43,7 +47,10 @@ from dataclasses import dataclass
 
 import torch
 
+log = logging.getLogger(__name__)
+
 _STREAMS: dict[tuple[int, int], torch.cuda.Stream] = {}
+_GREEN: dict[tuple[int, int], tuple[object, torch.cuda.Stream | None]] = {}
 
 
 def side_stream(device: torch.device, priority: int = 0) -> torch.cuda.Stream:
@@ -53,6 +60,39 @@ def side_stream(device: torch.device, priority: int = 0) -> torch.cuda.Stream:
     if key not in _STREAMS:
         _STREAMS[key] = torch.cuda.Stream(device, priority=priority)
     return _STREAMS[key]
+
+
+def green_stream(device: torch.device, sms: int) -> torch.cuda.Stream | None:
+    """A stream whose kernels run on at most ``sms`` streaming multiprocessors of ``device`` (rounded up
+    to the driver's granularity): a CUDA green context's stream (torch.cuda.green_contexts; CUDA driver
+    12.8+), created once per (device, sms) and kept with its context for the life of the process.
+    Kernels on other streams of the primary context may still use every SM.
+
+    Returns None, with a warning the first time, where torch or the driver has no green contexts or
+    ``sms`` is not below the device's SM count (callers then use a plain stream)."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    key = (index, sms)
+    if key not in _GREEN:
+        _GREEN[key] = _make_green(index, sms)
+    return _GREEN[key][1]
+
+
+def _make_green(index: int, sms: int) -> tuple[object, torch.cuda.Stream | None]:
+    total = torch.cuda.get_device_properties(index).multi_processor_count
+    if not 0 < sms < total:
+        log.warning("prefix SM limit %d: not below the device's %d SMs; prefixes use every SM", sms, total)
+        return None, None
+    try:
+        from torch.cuda.green_contexts import GreenContext
+
+        try:  # torch >= 2.12 takes keywords only; 2.10-2.11 positional (num_sms, device_id)
+            context = GreenContext.create(num_sms=sms, device_id=index)
+        except TypeError:
+            context = GreenContext.create(sms, index)
+        return context, context.Stream()
+    except Exception as err:  # noqa: BLE001 - missing module, cuda.bindings, old driver: all mean "not here"
+        log.warning("prefix SM limit %d: no CUDA green context here (%s); prefixes use every SM", sms, err)
+        return None, None
 
 
 def decode_stream(device: torch.device) -> torch.cuda.Stream:
@@ -130,25 +170,32 @@ class SideWork:
     """Run ``fn()`` on a worker thread, on its own CUDA stream when ``device`` is CUDA.
 
     Args:
-        fn: the work; returns the value ``join`` hands back.
+        fn: the work; returns the value ``join`` hands back. Work issued in chunks calls
+            ``chunk_barrier`` between them.
         device: where the work runs.
         sm_carveout: SMs kept free of the work's cuBLAS matrix products while it runs (0 = off, CUDA only).
+        sms: SMs the work's kernels may use until the first chunk barrier after decode ends (a green
+            context, ``green_stream``; 0 = all, CUDA only).
     """
 
-    def __init__(self, fn: Callable[[], object], device: torch.device, sm_carveout: int = 0):
+    def __init__(self, fn: Callable[[], object], device: torch.device, sm_carveout: int = 0, sms: int = 0):
         self.fn, self.device = fn, device
         self.stream = side_stream(device) if device.type == "cuda" else None
         self.sm_carveout = sm_carveout if self.stream is not None else 0
+        self.green = green_stream(device, sms) if sms > 0 and self.stream is not None else None
         self.started = False
         self._carveout_before: int | None = None
         self._carveout_on = False
+        self._decode_done = threading.Event()
         self._thread = threading.Thread(target=self._run, name="rollplex-prefix", daemon=True)
         self._result: SideResult | None = None
         self._error: BaseException | None = None
 
     def start(self) -> SideWork:
         if self.stream is not None:
-            self.stream.wait_stream(torch.cuda.current_stream(self.device))  # inputs are ready
+            current = torch.cuda.current_stream(self.device)
+            for stream in (self.stream, self.green) if self.green is not None else (self.stream,):
+                stream.wait_stream(current)  # inputs are ready
         if self.sm_carveout > 0:
             self._carveout_before, self._carveout_on = set_sm_carveout(self.sm_carveout), True
         self._thread.start()
@@ -156,13 +203,23 @@ class SideWork:
         return self
 
     def decode_done(self) -> None:
-        """Lift the SM carve-out (restoring the previous setting); the work continues on the whole GPU."""
+        """Lift the SM carve-out (restoring the previous setting) and let the next chunk barrier leave
+        the green stream: the work continues on the whole GPU."""
+        self._decode_done.set()
         if self._carveout_on:
             set_sm_carveout(self._carveout_before)
             self._carveout_on = False
 
+    def chunk_barrier(self) -> None:
+        """Called by ``fn`` on the worker thread between chunks: wait for the chunk's kernels; once decode
+        is done, issue the rest on the plain worker stream (every SM) instead of the green one."""
+        stream_sync(self.device)
+        if self.green is not None and self._decode_done.is_set():
+            torch.cuda.set_stream(self.stream)  # the worker thread's current stream; _run restores it
+
     def _run(self) -> None:
-        context = torch.cuda.stream(self.stream) if self.stream is not None else contextlib.nullcontext()
+        first = self.green if self.green is not None else self.stream
+        context = torch.cuda.stream(first) if first is not None else contextlib.nullcontext()
         try:
             with context:
                 start = time.perf_counter()
@@ -196,6 +253,8 @@ class SideWork:
         if self.stream is not None:
             current = torch.cuda.current_stream(self.device)
             current.wait_stream(self.stream)
+            if self.green is not None:
+                current.wait_stream(self.green)
             for tensor in consumers(self._result):
                 tensor.record_stream(current)
         return self._result

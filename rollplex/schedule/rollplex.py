@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import logging
 import statistics
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
 
 import torch
@@ -69,11 +70,12 @@ class CoRunPolicy:
     decode_priority: bool = True
     chunk_groups: int = 0
     sm_carveout: int = 0
+    prefix_sms: int = 0
 
     @classmethod
     def from_config(cls, cfg: Config) -> CoRunPolicy:
         r = cfg.run
-        return cls(r.overlap, r.decode_priority, r.prefix_chunk_groups, r.prefix_sm_carveout)
+        return cls(r.overlap, r.decode_priority, r.prefix_chunk_groups, r.prefix_sm_carveout, r.prefix_sms)
 
     @property
     def name(self) -> str:
@@ -82,12 +84,18 @@ class CoRunPolicy:
         parts = ["overlap", "priority" if self.decode_priority else "same-priority"]
         parts += [f"chunk{self.chunk_groups}"] if self.chunk_groups else []
         parts += [f"carveout{self.sm_carveout}"] if self.sm_carveout else []
+        parts += [f"sms{self.prefix_sms}"] if self.prefix_sms else []
         return "+".join(parts)
 
 
 def auto_candidates(device: torch.device) -> list[CoRunPolicy]:
     """The policies ``auto`` tries: prefixes after decode, overlap with decode priority, chunked issue
-    (one group at a time), and an SM carve-out keeping half the SMs free of prefix GEMMs."""
+    (one group at a time), and an SM carve-out keeping half the SMs free of prefix GEMMs.
+
+    Not tried: the prefixes confined to some SMs by a green context (``run.prefix_sms``). On one H200
+    at the 3B workload it cut decode's slowdown but stretched the prefixes more (docs/benchmarks.md,
+    run L: span 2.72 s at 66 SMs and 3.02 s at 33, against 2.55 s for overlap with priority alone), and
+    the auto run that tried it peaked 15 GiB higher."""
     candidates = [CoRunPolicy(overlap=False), CoRunPolicy(), CoRunPolicy(chunk_groups=1)]
     if device.type == "cuda":
         sms = torch.cuda.get_device_properties(device).multi_processor_count
@@ -107,10 +115,16 @@ def _chunks(prompts: list[Prompt], size: int) -> list[list[Prompt]]:
     return [prompts[i : i + size] for i in range(0, len(prompts), size)]
 
 
-def _prefixes(roles: Roles, prompts: list[Prompt], actor: bool, chunk_groups: int) -> Prefixes:
+def _prefixes(
+    roles: Roles,
+    prompts: list[Prompt],
+    actor: bool,
+    chunk_groups: int,
+    barrier: Callable[[], None] | None = None,
+) -> Prefixes:
     """Phase-1 prompt work: the merged reference prefix (or None without KL) and, if ``actor``, the
-    attached actor prefix of every group; issued ``chunk_groups`` groups at a time (0 = all), waiting
-    for each chunk before the next."""
+    attached actor prefix of every group; issued ``chunk_groups`` groups at a time (0 = all), calling
+    ``barrier`` (default: wait for the current stream) after each chunk."""
     device = roles.banned_ids.device
     reference_states, actor_states = [], []
     for chunk in _chunks(prompts, chunk_groups):
@@ -125,7 +139,7 @@ def _prefixes(roles: Roles, prompts: list[Prompt], actor: bool, chunk_groups: in
         if actor:
             actor_states += _actor_prefixes(roles, chunk)
         if chunk_groups:
-            stream_sync(device)
+            barrier() if barrier is not None else stream_sync(device)
     reference = merge_prefixes(reference_states) if reference_states else None
     return reference, actor_states if actor else None
 
@@ -165,7 +179,8 @@ def _overlapped(
     n, sampling, device = roles.config.rollout.group_size, roles.sampling, roles.banned_ids.device
     stream = decode_stream(device) if policy.decode_priority and device.type == "cuda" else None
     carveout = policy.sm_carveout if sampling.cuda_graphs else 0  # eager decode would be carved out too
-    worker = SideWork(profiled("rollplex/phase/prefix")(side), device, sm_carveout=carveout)
+    work = profiled("rollplex/phase/prefix")(lambda: side(worker.chunk_barrier))
+    worker = SideWork(work, device, sm_carveout=carveout, sms=policy.prefix_sms)
     start = timer.now()
     if seed is None:
         # the rollout prefill on the main stream, not the decode stream: the caching allocator reuses
@@ -194,7 +209,7 @@ def phase1(roles: Roles, prompts: list[Prompt], timer, policy: CoRunPolicy) -> P
             fused = _actor_prefixes(roles, prompts)
         with torch.no_grad():
             seed = merge_prefixes([detach_prefix(state) for state in fused])
-    side = lambda: _prefixes(roles, prompts, fused is None, policy.chunk_groups)  # noqa: E731
+    side = lambda barrier=None: _prefixes(roles, prompts, fused is None, policy.chunk_groups, barrier)  # noqa: E731
     if policy.overlap:
         rollout, (reference, actor), span = _overlapped(roles, prompts, seed, side, timer, policy)
     else:
@@ -291,4 +306,5 @@ class RollplexSchedule:
         extra["schedule/overlap"] = float(policy.overlap)
         extra["schedule/chunk_groups"] = float(policy.chunk_groups)
         extra["schedule/sm_carveout"] = float(policy.sm_carveout)
+        extra["schedule/prefix_sms"] = float(policy.prefix_sms)
         return scored, stats, norms, extra

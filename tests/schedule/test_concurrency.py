@@ -1,11 +1,15 @@
-"""The schedule's stream helpers that need no GPU to check."""
+"""The schedule's stream helpers: the accumulate-grad warning, chunk barriers and green-context streams
+(SM partitioning, checked on CUDA by the SM each program ran on)."""
 
 from __future__ import annotations
+
+import threading
 
 import pytest
 import torch
 
-from rollplex.schedule.concurrency import cross_stream_backward
+from rollplex.schedule.concurrency import SideWork, cross_stream_backward, green_stream
+from rollplex.schedule.rollplex import CoRunPolicy
 
 _get = getattr(torch._C, "_warn_on_accumulate_grad_stream_mismatch", None)
 _set = getattr(torch._C, "_set_warn_on_accumulate_grad_stream_mismatch", None)
@@ -26,3 +30,110 @@ def test_cross_stream_backward_silences_the_warning_and_restores_it(before):
         assert _get() is before
     finally:
         _set(original)
+
+
+def test_chunk_barrier_on_the_cpu_is_a_plain_wait():
+    """Without CUDA there is no green stream: the barrier only waits, before and after decode ends."""
+    calls = []
+
+    def work():
+        worker.chunk_barrier()
+        calls.append("chunk")
+        return "done"
+
+    worker = SideWork(work, torch.device("cpu"), sms=8)
+    assert worker.green is None and worker.stream is None
+    worker.start()
+    worker.decode_done()
+    assert worker.join().value == "done" and calls == ["chunk"]
+
+
+def test_the_policy_name_gives_the_sm_limit():
+    assert CoRunPolicy(chunk_groups=1, prefix_sms=66).name == "overlap+priority+chunk1+sms66"
+    assert CoRunPolicy().name == "overlap+priority"
+
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+def _sm_ids(stream: torch.cuda.Stream, programs: int = 4096) -> set[int]:
+    """The SM each of ``programs`` programs of a small Triton kernel ran on, launched on ``stream``."""
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def record_sm(out, spins: tl.constexpr):
+        smid = tl.inline_asm_elementwise(
+            "mov.u32 $0, %smid;", "=r", [], dtype=tl.int32, is_pure=False, pack=1
+        )
+        acc = smid
+        for i in range(spins):  # a few microseconds of work, so programs spread over the SMs
+            acc = acc * 1664525 + i
+        tl.store(out + tl.program_id(0), tl.where(acc == 12345, -1, smid))
+
+    out = torch.full((programs,), -2, dtype=torch.int32, device="cuda")
+    with torch.cuda.stream(stream):
+        record_sm[(programs,)](out, spins=2000)
+    stream.synchronize()
+    assert (out >= 0).all()  # every program wrote its SM
+    return set(out.tolist())
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_green_stream_keeps_every_kernel_on_its_sms():
+    """A kernel launched on a 16-SM green stream runs on at most 16 SMs (16 is a multiple of every
+    NVIDIA partition granularity); the same kernel on a plain stream spreads over more."""
+    device = torch.device("cuda")
+    stream = green_stream(device, 16)
+    if stream is None:
+        pytest.skip("no CUDA green contexts with this torch or driver")
+    assert green_stream(device, 16) is stream  # made once
+    assert 8 <= len(_sm_ids(stream)) <= 16
+    assert len(_sm_ids(torch.cuda.Stream())) > 16
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_green_stream_gives_the_same_numbers():
+    a, b = (torch.randn(512, 512, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    stream = green_stream(torch.device("cuda"), 16)
+    if stream is None:
+        pytest.skip("no CUDA green contexts with this torch or driver")
+    expected = a @ b
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        got = a @ b
+    torch.cuda.current_stream().wait_stream(stream)
+    assert torch.equal(got, expected)
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_the_worker_leaves_the_green_stream_at_the_first_barrier_after_decode():
+    """Chunks before decode ends run on the green stream, chunks after it on the plain worker stream."""
+    device = torch.device("cuda")
+    if green_stream(device, 16) is None:
+        pytest.skip("no CUDA green contexts with this torch or driver")
+    first_chunk, decode_over, seen = threading.Event(), threading.Event(), []
+
+    def work():
+        seen.append(torch.cuda.current_stream(device).cuda_stream)
+        worker.chunk_barrier()  # decode still runs: stays
+        seen.append(torch.cuda.current_stream(device).cuda_stream)
+        first_chunk.set()
+        decode_over.wait(timeout=60)
+        worker.chunk_barrier()  # decode is over: leaves
+        seen.append(torch.cuda.current_stream(device).cuda_stream)
+        return torch.ones(4, device=device) * 2
+
+    worker = SideWork(work, device, sms=16)
+    before = torch.cuda.current_stream(device).cuda_stream
+    worker.start()
+    assert first_chunk.wait(timeout=60)
+    worker.decode_done()
+    decode_over.set()
+    result = worker.join(lambda r: [r.value])
+    assert seen == [worker.green.cuda_stream] * 2 + [worker.stream.cuda_stream]
+    assert torch.cuda.current_stream(device).cuda_stream == before
+    assert torch.equal(result.value.cpu(), torch.full((4,), 2.0))

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import zlib
 
 import pytest
 import torch
@@ -19,6 +20,13 @@ from tests.schedule.test_same_update import SCHEDULES
 from tests.test_loop import _config, _weights, assets  # noqa: F401  (fixture)
 
 HEAD, EMBEDDING = "lm_head.weight", "model.language_model.embed_tokens.weight"
+
+
+def text_hash_reward(completion: str, record) -> float:
+    """A reward in [0, 1) that differs between any two different completions with near certainty, so a
+    group's advantages are nonzero whatever the tiny model samples (the built-in rewards can give a whole
+    group 0, and then no parameter moves: seen with transformers 5.17, whose video processing differs)."""
+    return (zlib.crc32(completion.encode()) % 1000) / 1000
 
 
 def _checkpoint(assets, tmp_path, tie: bool):  # noqa: F811
@@ -47,6 +55,7 @@ def test_b16_rollouts_read_the_updated_weights(assets, tmp_path, tie, schedule):
         "algo.kl_coef": 0.05,
         "optim.weight_decay": 0.0,
         "run.device": "cpu",
+        "reward.functions": f"[{__name__}:text_hash_reward]",
     }
     # no weight decay: a parameter changes only if a nonzero gradient reached it. On the CPU in float32,
     # where a stale rollout stands out (≥ 2e-5) against the trainer's log-probs (≤ 1e-6); a bf16 rollout's
@@ -58,13 +67,15 @@ def test_b16_rollouts_read_the_updated_weights(assets, tmp_path, tie, schedule):
     before = {k: v.clone() for k, v in actor.state_dict().items()}
     reference_before = {k: v.clone() for k, v in reference.state_dict().items()}
     step = make_step(cfg, run.device)
-    diffs = []
+    diffs, advantages = [], []
     for _ in range(3):
-        _, stats, _, _ = step(run.roles, run.train.next_batch(), PhaseTimer())
+        scored, stats, _, _ = step(run.roles, run.train.next_batch(), PhaseTimer())
         diffs.append(max(s.logprob_diff_max for s in stats))
+        advantages.append(scored.advantages.abs().max().item())
     # the rollout's recorded log-probs are the trainer's under the same weights, after updates as before
     # (measured ≤ 1e-6; a rollout reading the step-0 weights differs by 2e-5 after one update, 0.05-1 after two)
     assert max(diffs) <= 1e-5, diffs
+    assert advantages[0] > 0, advantages  # the premise: the first update has something to move
     after = actor.state_dict()
     changed = {k for k in before if not torch.equal(before[k], after[k])}
     assert {HEAD, EMBEDDING} <= changed
