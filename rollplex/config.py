@@ -106,9 +106,11 @@ class RunConfig:
     )
     prefix_sms: int = _field(
         0,
-        "rollplex overlap: streaming multiprocessors the prefixes' kernels may use while decode runs (a "
-        "CUDA green context; with prefix_chunk_groups, chunks issued after decode ends get the whole GPU); "
-        "0 = all (off where torch or the driver lacks green contexts, with a warning)",
+        "rollplex overlap with prefill fusion: streaming multiprocessors the reference prefix's kernels may "
+        "use while decode runs (a CUDA green context; the driver rounds up, to a multiple of 8 on an H200). "
+        "With prefix_chunk_groups, chunks issued after decode ends get every SM; without, the whole prefix "
+        "stays on the limited SMs. 0 = all; off where torch or the driver lacks green contexts (with a "
+        "warning); auto does not try it",
         ge=0,
     )
     auto_trials: int = _field(
@@ -499,6 +501,12 @@ def _check_schedule(cfg) -> None:
     if cfg.run.prefill_fusion and cfg.run.schedule == "serial":
         why = "prefill fusion is part of the rollplex schedule"
         raise _conflict("run.prefill_fusion", True, "run.schedule", cfg.run.schedule, why)
+    if cfg.run.prefix_sms and cfg.run.schedule == "rollplex" and not cfg.run.prefill_fusion:
+        why = (
+            "without prefill fusion the worker computes the attached actor prefix, whose backward would "
+            "then run on the limited SMs too"
+        )
+        raise _conflict("run.prefix_sms", cfg.run.prefix_sms, "run.prefill_fusion", False, why)
 
 
 def config_from_dict(data: dict) -> Config:

@@ -26,16 +26,8 @@ def timed(fn, stream, repeats=20):
 def green_stream(sms):
     from torch.cuda import green_contexts as gc
 
-    cls = gc.GreenContext
-    if hasattr(cls, "Stream") and not hasattr(cls, "create"):
-        ctx = cls(num_sms=sms)
-        return ctx, ctx.Stream()
-    ctx = cls.create(sms, torch.cuda.current_device())
-    if hasattr(ctx, "Stream"):
-        return ctx, ctx.Stream()
-    raise RuntimeError(
-        "no Stream() on this GreenContext: " + ", ".join(n for n in dir(ctx) if not n.startswith("__"))
-    )
+    ctx = gc.GreenContext.create(num_sms=sms, device_id=torch.cuda.current_device())  # torch 2.11 and later
+    return ctx, ctx.Stream()
 
 
 def main():

@@ -26,7 +26,8 @@ reuses freed memory only on the stream that allocated it, so the rollout prefill
 fusion) runs on the main stream, where Phase 2 can reuse its transient memory, and only decode's own
 buffers come from the decode stream. The attached actor
 prefix's backward (Phase 2) runs its ops on the worker stream, where their forward ran; autograd orders
-those against the main stream itself. Without prefill fusion, the attached actor prefix runs on the
+those against the main stream itself (so the attached actor prefix never goes on a green stream:
+``run.prefix_sms`` needs prefill fusion). Without prefill fusion, the attached actor prefix runs on the
 worker stream, so the parameters' gradient accumulators receive gradients from both streams; torch
 reports that with a warning, which ``cross_stream_backward`` turns off for that backward. The mismatch is
 by design, and torch synchronises it (the parameters equal serial's bitwise).
@@ -50,7 +51,7 @@ import torch
 log = logging.getLogger(__name__)
 
 _STREAMS: dict[tuple[int, int], torch.cuda.Stream] = {}
-_GREEN: dict[tuple[int, int], tuple[object, torch.cuda.Stream | None]] = {}
+_GREEN: dict[tuple[int, int], tuple[object, torch.cuda.Stream | None, int]] = {}
 
 
 def side_stream(device: torch.device, priority: int = 0) -> torch.cuda.Stream:
@@ -62,37 +63,61 @@ def side_stream(device: torch.device, priority: int = 0) -> torch.cuda.Stream:
     return _STREAMS[key]
 
 
-def green_stream(device: torch.device, sms: int) -> torch.cuda.Stream | None:
-    """A stream whose kernels run on at most ``sms`` streaming multiprocessors of ``device`` (rounded up
-    to the driver's granularity): a CUDA green context's stream (torch.cuda.green_contexts; CUDA driver
-    12.8+), created once per (device, sms) and kept with its context for the life of the process.
-    Kernels on other streams of the primary context may still use every SM.
+def green_stream(device: torch.device, sms: int) -> tuple[torch.cuda.Stream | None, int]:
+    """A stream whose kernels run on a subset of the streaming multiprocessors of ``device``: a CUDA
+    green context's stream (torch.cuda.green_contexts; CUDA driver 12.8+) of at least ``sms`` SMs,
+    created once per (device, sms) and kept with its context for the life of the process. Kernels on
+    other streams of the primary context may still use every SM.
 
-    Returns None, with a warning the first time, where torch or the driver has no green contexts or
-    ``sms`` is not below the device's SM count (callers then use a plain stream)."""
+    Returns:
+        (stream, SMs it runs on): the driver rounds ``sms`` up to its partition granularity (a multiple
+        of 8 on an H200: 66 gives 72), read back from the driver where cuda.bindings can, else
+        ``sms``. (None, 0), with a warning the first time, where torch, cuda.bindings or the driver has
+        no green contexts or the rounded count is not below the device's SM count (callers then use a
+        plain stream).
+    """
     index = device.index if device.index is not None else torch.cuda.current_device()
     key = (index, sms)
     if key not in _GREEN:
         _GREEN[key] = _make_green(index, sms)
-    return _GREEN[key][1]
+    _, stream, count = _GREEN[key]
+    return stream, count
 
 
-def _make_green(index: int, sms: int) -> tuple[object, torch.cuda.Stream | None]:
+def _partition_sms(index: int, sms: int) -> int:
+    """The SM count the driver gives a green context asked for ``sms`` (``sms`` if it cannot tell)."""
+    try:
+        from cuda.bindings import driver
+
+        ok = driver.CUresult.CUDA_SUCCESS
+        err, device = driver.cuDeviceGet(index)
+        err2, resource = driver.cuDeviceGetDevResource(
+            device, driver.CUdevResourceType.CU_DEV_RESOURCE_TYPE_SM
+        )
+        err3, groups, count, _ = driver.cuDevSmResourceSplitByCount(1, resource, 0, sms)
+        return int(groups[0].sm.smCount) if (err, err2, err3) == (ok, ok, ok) and count == 1 else sms
+    except Exception:  # noqa: BLE001 - no cuda.bindings, or another API version: keep the request
+        return sms
+
+
+def _make_green(index: int, sms: int) -> tuple[object, torch.cuda.Stream | None, int]:
     total = torch.cuda.get_device_properties(index).multi_processor_count
-    if not 0 < sms < total:
-        log.warning("prefix SM limit %d: not below the device's %d SMs; prefixes use every SM", sms, total)
-        return None, None
+    count = _partition_sms(index, sms) if sms > 0 else 0
+    if not 0 < count < total:
+        log.warning(
+            "prefix SMs %d (%d rounded): not below the device's %d; prefixes use every SM", sms, count, total
+        )
+        return None, None, 0
     try:
         from torch.cuda.green_contexts import GreenContext
 
-        try:  # torch >= 2.12 takes keywords only; 2.10-2.11 positional (num_sms, device_id)
-            context = GreenContext.create(num_sms=sms, device_id=index)
-        except TypeError:
-            context = GreenContext.create(sms, index)
-        return context, context.Stream()
+        context = GreenContext.create(num_sms=sms, device_id=index)
+        stream = context.Stream()
     except Exception as err:  # noqa: BLE001 - missing module, cuda.bindings, old driver: all mean "not here"
-        log.warning("prefix SM limit %d: no CUDA green context here (%s); prefixes use every SM", sms, err)
-        return None, None
+        log.warning("prefix SMs %d: no CUDA green context here (%s); prefixes use every SM", sms, err)
+        return None, None, 0
+    log.info("prefix work on a green context of %d SMs (%d asked) of %d", count, sms, total)
+    return context, stream, count
 
 
 def decode_stream(device: torch.device) -> torch.cuda.Stream:
@@ -175,14 +200,18 @@ class SideWork:
         device: where the work runs.
         sm_carveout: SMs kept free of the work's cuBLAS matrix products while it runs (0 = off, CUDA only).
         sms: SMs the work's kernels may use until the first chunk barrier after decode ends (a green
-            context, ``green_stream``; 0 = all, CUDA only).
+            context, ``green_stream``, rounded up by the driver; ``green_sms`` is what it got, 0 where
+            it fell back to every SM; 0 = all, CUDA only). Work under autograd whose backward must not
+            run on those SMs does not belong here (autograd runs each backward op on its forward's
+            stream).
     """
 
     def __init__(self, fn: Callable[[], object], device: torch.device, sm_carveout: int = 0, sms: int = 0):
         self.fn, self.device = fn, device
         self.stream = side_stream(device) if device.type == "cuda" else None
         self.sm_carveout = sm_carveout if self.stream is not None else 0
-        self.green = green_stream(device, sms) if sms > 0 and self.stream is not None else None
+        use_green = sms > 0 and self.stream is not None
+        self.green, self.green_sms = green_stream(device, sms) if use_green else (None, 0)
         self.started = False
         self._carveout_before: int | None = None
         self._carveout_on = False
@@ -215,6 +244,7 @@ class SideWork:
         is done, issue the rest on the plain worker stream (every SM) instead of the green one."""
         stream_sync(self.device)
         if self.green is not None and self._decode_done.is_set():
+            self.stream.wait_stream(self.green)
             torch.cuda.set_stream(self.stream)  # the worker thread's current stream; _run restores it
 
     def _run(self) -> None:

@@ -92,10 +92,10 @@ def auto_candidates(device: torch.device) -> list[CoRunPolicy]:
     """The policies ``auto`` tries: prefixes after decode, overlap with decode priority, chunked issue
     (one group at a time), and an SM carve-out keeping half the SMs free of prefix GEMMs.
 
-    Not tried: the prefixes confined to some SMs by a green context (``run.prefix_sms``). On one H200
-    at the 3B workload it cut decode's slowdown but stretched the prefixes more (docs/benchmarks.md,
-    run L: span 2.72 s at 66 SMs and 3.02 s at 33, against 2.55 s for overlap with priority alone), and
-    the auto run that tried it peaked 15 GiB higher."""
+    Not tried: the reference prefix confined to some SMs by a green context (``run.prefix_sms``). On
+    one H200 at the 3B workload it cut decode's slowdown but stretched the prefix more
+    (docs/benchmarks.md, run L: span 2.72 s on 72 SMs and 3.02 s on 40, against 2.55 s for overlap
+    with priority alone), and the auto run that tried it peaked 14 GiB higher than one without."""
     candidates = [CoRunPolicy(overlap=False), CoRunPolicy(), CoRunPolicy(chunk_groups=1)]
     if device.type == "cuda":
         sms = torch.cuda.get_device_properties(device).multi_processor_count
@@ -160,22 +160,24 @@ class Phase1:
     makespan: float
     prefix_span: tuple[float, float]
     overlapped: bool
+    prefix_sms: int = 0  # SMs of the green context the prefixes started on (0: every SM)
 
 
-def _sequential(roles, prompts, seed, side, timer) -> tuple[RolloutBatch, Prefixes, tuple[float, float]]:
+def _sequential(roles, prompts, seed, side, timer) -> tuple[RolloutBatch, Prefixes, tuple[float, float], int]:
     n, sampling = roles.config.rollout.group_size, roles.sampling
     with timer.phase("rollout"):
         rollout = rollout_phase(roles, prompts, n, sampling, prefix=seed)
     start = timer.now()
     with timer.phase("prefix"):
         prefixes = side()
-    return rollout, prefixes, (start, timer.now())
+    return rollout, prefixes, (start, timer.now()), 0
 
 
 def _overlapped(
     roles, prompts, seed, side, timer, policy
-) -> tuple[RolloutBatch, Prefixes, tuple[float, float]]:
-    """Decode on the main thread while ``side()`` runs on the worker, started once decode is ready."""
+) -> tuple[RolloutBatch, Prefixes, tuple[float, float], int]:
+    """Decode on the main thread while ``side()`` runs on the worker, started once decode is ready; also
+    returns the SMs the worker's green context got (0: none)."""
     n, sampling, device = roles.config.rollout.group_size, roles.sampling, roles.banned_ids.device
     stream = decode_stream(device) if policy.decode_priority and device.type == "cuda" else None
     carveout = policy.sm_carveout if sampling.cuda_graphs else 0  # eager decode would be carved out too
@@ -197,7 +199,7 @@ def _overlapped(
     result = worker.join(_boundary_tensors)
     timer.record("rollout", start, rollout.timeline.end, "decode")
     timer.record("prefix", result.start, result.end, "prefix")
-    return rollout, result.value, (result.start, result.end)
+    return rollout, result.value, (result.start, result.end), worker.green_sms
 
 
 def phase1(roles: Roles, prompts: list[Prompt], timer, policy: CoRunPolicy) -> Phase1:
@@ -209,13 +211,16 @@ def phase1(roles: Roles, prompts: list[Prompt], timer, policy: CoRunPolicy) -> P
             fused = _actor_prefixes(roles, prompts)
         with torch.no_grad():
             seed = merge_prefixes([detach_prefix(state) for state in fused])
-    side = lambda barrier=None: _prefixes(roles, prompts, fused is None, policy.chunk_groups, barrier)  # noqa: E731
+
+    def side(barrier=None):
+        return _prefixes(roles, prompts, fused is None, policy.chunk_groups, barrier)
+
     if policy.overlap:
-        rollout, (reference, actor), span = _overlapped(roles, prompts, seed, side, timer, policy)
+        rollout, (reference, actor), span, sms = _overlapped(roles, prompts, seed, side, timer, policy)
     else:
-        rollout, (reference, actor), span = _sequential(roles, prompts, seed, side, timer)
+        rollout, (reference, actor), span, sms = _sequential(roles, prompts, seed, side, timer)
     actor = fused if fused is not None else actor
-    return Phase1(rollout, reference, actor, timer.now() - start, span, policy.overlap)
+    return Phase1(rollout, reference, actor, timer.now() - start, span, policy.overlap, sms)
 
 
 class RollplexSchedule:
@@ -306,5 +311,5 @@ class RollplexSchedule:
         extra["schedule/overlap"] = float(policy.overlap)
         extra["schedule/chunk_groups"] = float(policy.chunk_groups)
         extra["schedule/sm_carveout"] = float(policy.sm_carveout)
-        extra["schedule/prefix_sms"] = float(policy.prefix_sms)
+        extra["schedule/prefix_sms"] = float(first.prefix_sms)
         return scored, stats, norms, extra

@@ -18,8 +18,13 @@ SCHEDULES = {
     "fused": {"run.schedule": "rollplex", "run.prefill_fusion": "true"},
     "fused-sequential": {"run.schedule": "rollplex", "run.prefill_fusion": "true", "run.overlap": "false"},
     "chunked": {"run.schedule": "rollplex", "run.prefix_chunk_groups": "1"},
-    # prefix kernels on 16 SMs while decode runs (a green context on CUDA; nothing changes on a CPU)
-    "green": {"run.schedule": "rollplex", "run.prefix_chunk_groups": "1", "run.prefix_sms": "16"},
+    # the reference prefix on 16 SMs while decode runs (a green context on CUDA; on a CPU, fused + chunked)
+    "green": {
+        "run.schedule": "rollplex",
+        "run.prefill_fusion": "true",
+        "run.prefix_chunk_groups": "1",
+        "run.prefix_sms": "16",
+    },
     "auto": {"run.schedule": "auto"},
 }
 TIMING = ("time/", "eq1/", "schedule/")
@@ -28,7 +33,8 @@ TIMING = ("time/", "eq1/", "schedule/")
 def test_schedules_give_identical_parameters(assets, tmp_path):  # noqa: F811
     """3 steps with KL on and 4-token responses (the suffix path runs): weights and every metric except
     timings are bitwise equal across serial, rollplex with and without the worker thread, with and
-    without prefill fusion, with chunked prefix issue, and auto (which switches policy between steps)."""
+    without prefill fusion, with chunked prefix issue (with fusion and an SM limit: "green"), and auto
+    (which switches policy between steps)."""
     runs = {}
     for name, extra in SCHEDULES.items():
         overrides = {"algo.kl_coef": 0.05, "eval.every": 0, "run.device": "cpu", **extra}
@@ -106,7 +112,8 @@ def _check_barriers(events, order):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_overlap_gives_identical_parameters_on_gpu(assets, tmp_path):  # noqa: F811
     """On CUDA (bf16) the overlapped schedule runs the serial schedule's kernels on other streams, also
-    with the prefixes confined to 16 SMs (a green context): bitwise the same weights after 3 steps (measured so on the 3B workload by rollplex bench schedule)."""
+    with the reference prefix confined to 16 SMs (a green context, with prefill fusion): bitwise the
+    same weights after 3 steps (measured so on the 3B workload by rollplex bench schedule)."""
     runs = {}
     for name in ("serial", "rollplex", "green"):
         overrides = {"algo.kl_coef": 0.05, "eval.every": 0, "run.device": "cuda", **SCHEDULES[name]}
