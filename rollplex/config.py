@@ -109,8 +109,9 @@ class RunConfig:
         "rollplex overlap with prefill fusion: streaming multiprocessors the reference prefix's kernels may "
         "use while decode runs (a CUDA green context; the driver rounds up, to a multiple of 8 on an H200). "
         "With prefix_chunk_groups, chunks issued after decode ends get every SM; without, the whole prefix "
-        "stays on the limited SMs. 0 = all; off where torch or the driver lacks green contexts (with a "
-        "warning); auto does not try it",
+        "stays on the limited SMs. 0 = all; off, with a warning, where torch, cuda.bindings or the driver "
+        "lacks green contexts or the rounded count is not below the device's. rollplex schedule only (auto "
+        "does not try it)",
         ge=0,
     )
     auto_trials: int = _field(
@@ -501,7 +502,10 @@ def _check_schedule(cfg) -> None:
     if cfg.run.prefill_fusion and cfg.run.schedule == "serial":
         why = "prefill fusion is part of the rollplex schedule"
         raise _conflict("run.prefill_fusion", True, "run.schedule", cfg.run.schedule, why)
-    if cfg.run.prefix_sms and cfg.run.schedule == "rollplex" and not cfg.run.prefill_fusion:
+    if cfg.run.prefix_sms and cfg.run.schedule != "rollplex":
+        why = "SM partitioning is a rollplex-schedule policy (auto chooses among its own candidates)"
+        raise _conflict("run.prefix_sms", cfg.run.prefix_sms, "run.schedule", cfg.run.schedule, why)
+    if cfg.run.prefix_sms and not cfg.run.prefill_fusion:
         why = (
             "without prefill fusion the worker computes the attached actor prefix, whose backward would "
             "then run on the limited SMs too"

@@ -343,14 +343,19 @@ def train(cfg: Config, resume: bool = False, overwrite: bool = False) -> Path:
         log.warning("%s set, but T-GRPO is off (reward.temporal_alpha=0): ignored", ", ".join(ignored))
     ckpt = _resume_checkpoint(Path(cfg.run.out_dir)) if resume else None  # before anything is written
     run = build_run(cfg)
-    run.run_dir.mkdir(parents=True, exist_ok=True)
-    save_config(cfg, run.run_dir / "config.yaml")
     step = 0
     if ckpt is not None:
         step = restore(run, ckpt)
         log.info("resumed from %s at step %d", ckpt, step)
-        if step >= cfg.run.steps:
-            log.info("the run is at step %d of run.steps=%d: nothing left to train", step, cfg.run.steps)
+        if step >= cfg.run.steps:  # leave the folder as it is: its config, metrics and trace stay
+            log.info(
+                "the run is at step %d of run.steps=%d: nothing left to train (raise run.steps to go on)",
+                step,
+                cfg.run.steps,
+            )
+            return run.run_dir
+    run.run_dir.mkdir(parents=True, exist_ok=True)
+    save_config(cfg, run.run_dir / "config.yaml")
     metrics = MetricsWriter(run.run_dir, resume_step=step if resume else None)
     first_eval = {} if resume else _maybe_eval(run, step, force=True)
     if first_eval:

@@ -236,11 +236,12 @@ def test_resume_without_a_checkpoint_writes_nothing(assets, tmp_path):
 
 
 def test_resume_with_no_step_left_says_so(assets, tmp_path, caplog):
-    """Resuming a run already at ``run.steps`` trains nothing and says why."""
+    """Resuming a run already at ``run.steps`` trains nothing, says why and how to go on, and leaves
+    every file of the run folder as it was (its trace, config and metrics included)."""
     cfg = _config(assets, tmp_path / "run", 2, **{"eval.every": 0, "data.val_path": ""})
     run = train(cfg)
-    before = (run / "metrics.jsonl").read_text()
+    before = {p: p.read_bytes() for p in run.rglob("*") if p.is_file()}
     with caplog.at_level("INFO"):
         train(cfg, resume=True)
-    assert "at step 2 of run.steps=2: nothing left to train" in caplog.text
-    assert (run / "metrics.jsonl").read_text() == before
+    assert "at step 2 of run.steps=2: nothing left to train (raise run.steps to go on)" in caplog.text
+    assert {p: p.read_bytes() for p in run.rglob("*") if p.is_file()} == before

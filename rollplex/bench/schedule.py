@@ -10,8 +10,9 @@ Rows (each from the same initial weights and optimizer state, same prompts and s
     both-same-priority    both, decode and prefixes at the same stream priority
     both-chunked          both, prefix work issued one group at a time
     both-carveout         both, half the SMs kept free of prefix matrix products
-    both-green            both, prefix kernels on half the SMs (a green context) while decode runs,
-                          one group per chunk (the chunks after decode get every SM)
+    both-green            both, the reference prefix's kernels on a green context of half the SMs
+                          (rounded up by the driver: 72 of 132 on an H200) while decode runs, one
+                          group per chunk (the chunks after decode get every SM)
 
 Warm-up iterations (allocator growth, graph capture, compilation, and auto's policy trials) are
 discarded; the table gives the median step time and its spread, the speedup over serial, the Phase-1

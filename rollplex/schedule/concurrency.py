@@ -40,6 +40,7 @@ same code path runs, and must give bitwise the same numbers, in the CPU tests.
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import threading
 import time
@@ -85,7 +86,8 @@ def green_stream(device: torch.device, sms: int) -> tuple[torch.cuda.Stream | No
 
 
 def _partition_sms(index: int, sms: int) -> int:
-    """The SM count the driver gives a green context asked for ``sms`` (``sms`` if it cannot tell)."""
+    """The SM count the driver gives a green context asked for ``sms``: ``sms`` if it cannot tell (no
+    cuda.bindings, another API version), 0 if the driver refuses the split."""
     try:
         from cuda.bindings import driver
 
@@ -95,18 +97,22 @@ def _partition_sms(index: int, sms: int) -> int:
             device, driver.CUdevResourceType.CU_DEV_RESOURCE_TYPE_SM
         )
         err3, groups, count, _ = driver.cuDevSmResourceSplitByCount(1, resource, 0, sms)
-        return int(groups[0].sm.smCount) if (err, err2, err3) == (ok, ok, ok) and count == 1 else sms
     except Exception:  # noqa: BLE001 - no cuda.bindings, or another API version: keep the request
         return sms
+    return int(groups[0].sm.smCount) if (err, err2, err3) == (ok, ok, ok) and count == 1 else 0
+
+
+@functools.cache
+def _warn_once(message: str) -> None:
+    log.warning(message)
 
 
 def _make_green(index: int, sms: int) -> tuple[object, torch.cuda.Stream | None, int]:
     total = torch.cuda.get_device_properties(index).multi_processor_count
     count = _partition_sms(index, sms) if sms > 0 else 0
     if not 0 < count < total:
-        log.warning(
-            "prefix SMs %d (%d rounded): not below the device's %d; prefixes use every SM", sms, count, total
-        )
+        why = f"the driver gives {count} of the device's {total}" if count else "the driver cannot split them"
+        log.warning("prefix SMs %d: %s; prefixes use every SM", sms, why)
         return None, None, 0
     try:
         from torch.cuda.green_contexts import GreenContext
@@ -212,6 +218,8 @@ class SideWork:
         self.sm_carveout = sm_carveout if self.stream is not None else 0
         use_green = sms > 0 and self.stream is not None
         self.green, self.green_sms = green_stream(device, sms) if use_green else (None, 0)
+        if sms > 0 and self.stream is None:
+            _warn_once(f"prefix SMs {sms}: no SM partitioning on {device.type}; the prefixes run as usual")
         self.started = False
         self._carveout_before: int | None = None
         self._carveout_on = False
@@ -233,7 +241,8 @@ class SideWork:
 
     def decode_done(self) -> None:
         """Lift the SM carve-out (restoring the previous setting) and let the next chunk barrier leave
-        the green stream: the work continues on the whole GPU."""
+        the green stream: the work continues on the whole GPU (on the green stream's SMs until its next
+        chunk barrier, to the end when it is issued in one piece)."""
         self._decode_done.set()
         if self._carveout_on:
             set_sm_carveout(self._carveout_before)

@@ -17,7 +17,8 @@ take the RolloutBatch and the joined worker's PrefixStates as arguments.
 
 The update is the serial schedule's update: same θ_k, responses, prefixes and loss, so on the CPU the
 parameters after any number of steps are bitwise equal to ``serial``'s (tests/schedule). The co-running
-policy (overlap or not, decode priority, prefix chunks, SM carve-out) changes timing only. The first
+policy (overlap or not, decode priority, prefix chunks, SM carve-out, SM partitioning) changes timing
+only. The first
 step runs its prefixes after decode, to measure decode and prefixes alone (Eq. 1's T_D and T_P);
 ``auto`` then tries each policy ``run.auto_trials`` times (default 2), round robin, and keeps the one
 whose median decode/prefix span is shortest.
@@ -160,7 +161,7 @@ class Phase1:
     makespan: float
     prefix_span: tuple[float, float]
     overlapped: bool
-    prefix_sms: int = 0  # SMs of the green context the prefixes started on (0: every SM)
+    prefix_sms: int = 0  # SMs of the green context the reference prefix started on (0: every SM)
 
 
 def _sequential(roles, prompts, seed, side, timer) -> tuple[RolloutBatch, Prefixes, tuple[float, float], int]:
@@ -212,6 +213,9 @@ def phase1(roles: Roles, prompts: list[Prompt], timer, policy: CoRunPolicy) -> P
         with torch.no_grad():
             seed = merge_prefixes([detach_prefix(state) for state in fused])
 
+    if fused is None and policy.prefix_sms:  # the worker computes the attached actor prefix: every SM
+        policy = replace(policy, prefix_sms=0)  # (its backward runs where its forward ran)
+
     def side(barrier=None):
         return _prefixes(roles, prompts, fused is None, policy.chunk_groups, barrier)
 
@@ -230,6 +234,7 @@ class RollplexSchedule:
 
     def __init__(self, cfg: Config, device: torch.device):
         self.policy = CoRunPolicy.from_config(cfg)
+        self.auto = cfg.run.schedule == "auto"
         self.trials: list[CoRunPolicy] = []
         self.timings: dict[CoRunPolicy, list[float]] = {}
         if cfg.run.schedule == "auto":
@@ -276,9 +281,11 @@ class RollplexSchedule:
 
     def load_state_dict(self, state: dict) -> None:
         """Continue from ``state_dict()``'s output: a resumed run neither recalibrates nor repeats trials,
-        and keeps the trial plan it started with even if ``run.auto_trials`` changed on resume."""
+        and keeps the trial plan it started with even if ``run.auto_trials`` changed on resume. auto
+        keeps the policy it chose; a rollplex run takes its policy from the config it resumes with."""
         self.step_index = int(state["step_index"])
-        self.policy = CoRunPolicy(**state["policy"])
+        if self.auto:
+            self.policy = CoRunPolicy(**state["policy"])
         if "trials" in state:
             self.trials = [CoRunPolicy(**p) for p in state["trials"]]
         self.timings = {CoRunPolicy(**p): list(t) for p, t in state["timings"]}

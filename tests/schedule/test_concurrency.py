@@ -12,7 +12,7 @@ from rollplex.loop import train
 from rollplex.schedule import rollplex as rollplex_schedule
 from rollplex.schedule.concurrency import SideWork, cross_stream_backward, green_stream
 from rollplex.schedule.rollplex import CoRunPolicy
-from tests.schedule.test_same_update import SCHEDULES
+from tests.schedule.test_same_update import SCHEDULES, green_capable
 from tests.test_loop import _config, _metrics, assets  # noqa: F401  (fixture)
 
 _get = getattr(torch._C, "_warn_on_accumulate_grad_stream_mismatch", None)
@@ -60,34 +60,27 @@ def test_the_policy_name_gives_the_sm_limit():
 def test_the_schedule_hands_the_sm_limit_to_its_worker(assets, tmp_path, monkeypatch):  # noqa: F811
     """The configured SM limit reaches the worker of every overlapped step (on a CPU it then runs on no
     stream at all), and the step records the SMs the worker got: 0 without a green context."""
-    asked = []
+    asked, barriers = [], []
 
     class Recording(SideWork):
         def __init__(self, fn, device, sm_carveout=0, sms=0):
             asked.append(sms)
             super().__init__(fn, device, sm_carveout, sms)
 
+        def chunk_barrier(self):
+            barriers.append(len(asked))
+            super().chunk_barrier()
+
     monkeypatch.setattr(rollplex_schedule, "SideWork", Recording)
     run = train(_config(assets, tmp_path / "run", 2, **{"run.device": "cpu", **SCHEDULES["green"]}))
     assert asked == [16]  # the first step is the calibration, which runs its prefixes after decode
+    assert barriers == [1, 1]  # one barrier per chunk of one group: the worker can leave the green stream
     steps = [m for m in _metrics(run) if "schedule/overlap" in m]  # (not the evaluation rows)
     assert [m["schedule/prefix_sms"] for m in steps] == [0.0, 0.0]
 
 
-def _green_capable() -> bool:
-    """Whether this install can make green contexts at all (torch's module, cuda.bindings, a GPU)."""
-    if not torch.cuda.is_available():
-        return False
-    try:
-        import cuda.bindings  # noqa: F401
-        from torch.cuda.green_contexts import GreenContext
-    except ImportError:
-        return False
-    return hasattr(GreenContext, "Stream")
-
-
 needs_green = pytest.mark.skipif(
-    not _green_capable(), reason="needs CUDA green contexts (torch, cuda.bindings)"
+    not green_capable(), reason="needs CUDA green contexts (torch, cuda.bindings)"
 )
 
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from dataclasses import replace
+from dataclasses import asdict, replace
 
 import pytest
 import torch
@@ -84,6 +84,24 @@ def test_auto_tries_each_policy_twice_then_keeps_the_fastest_median(assets, tmp_
     assert seen[0] == replace(candidates[0], overlap=False)  # calibration
     assert seen[1 : 1 + 2 * len(candidates)] == candidates * 2  # round robin
     assert seen[1 + 2 * len(candidates) :] == [candidates[0]] * 2
+
+
+def test_a_resumed_rollplex_run_takes_its_policy_from_its_config_and_auto_its_choice(assets, tmp_path):  # noqa: F811
+    """A rollplex run resumed with another co-running setting uses it (it is the user's to change);
+    auto resumes with the policy it chose, not a configured one."""
+    saved = RollplexSchedule(
+        _config(assets, tmp_path, 1, **{"run.schedule": "rollplex", "run.prefix_chunk_groups": 1}),
+        torch.device("cpu"),
+    ).state_dict()
+    resumed = RollplexSchedule(
+        _config(assets, tmp_path, 1, **{"run.schedule": "rollplex"}), torch.device("cpu")
+    )
+    resumed.load_state_dict(saved)
+    assert resumed.policy == CoRunPolicy() and saved["policy"]["chunk_groups"] == 1
+    auto = RollplexSchedule(_config(assets, tmp_path, 1, **{"run.schedule": "auto"}), torch.device("cpu"))
+    chosen = auto.state_dict() | {"policy": asdict(CoRunPolicy(chunk_groups=1))}
+    auto.load_state_dict(chosen)
+    assert auto.policy == CoRunPolicy(chunk_groups=1)
 
 
 def test_auto_trials_sets_the_trials_per_policy(assets, tmp_path):  # noqa: F811

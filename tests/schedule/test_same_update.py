@@ -30,6 +30,19 @@ SCHEDULES = {
 TIMING = ("time/", "eq1/", "schedule/")
 
 
+def green_capable() -> bool:
+    """Whether this install can make CUDA green contexts at all (a GPU, torch's module, cuda.bindings):
+    where it can, a green policy that fell back to every SM is a failure, not a skip."""
+    if not torch.cuda.is_available():
+        return False
+    try:
+        import cuda.bindings  # noqa: F401
+        from torch.cuda.green_contexts import GreenContext
+    except ImportError:
+        return False
+    return hasattr(GreenContext, "Stream")
+
+
 def test_schedules_give_identical_parameters(assets, tmp_path):  # noqa: F811
     """3 steps with KL on and 4-token responses (the suffix path runs): weights and every metric except
     timings are bitwise equal across serial, rollplex with and without the worker thread, with and
@@ -122,6 +135,9 @@ def test_overlap_gives_identical_parameters_on_gpu(assets, tmp_path):  # noqa: F
     for name in ("rollplex", "green"):
         other = _weights(runs[name])
         assert all(torch.equal(serial[k], other[k]) for k in serial), name
+    if green_capable():  # the calibration step runs its prefixes after decode; the others on 16 SMs
+        steps = [m for m in _metrics(runs["green"]) if "schedule/overlap" in m]
+        assert [m["schedule/prefix_sms"] for m in steps] == [0.0, 16.0, 16.0]
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
