@@ -213,9 +213,6 @@ def phase1(roles: Roles, prompts: list[Prompt], timer, policy: CoRunPolicy) -> P
         with torch.no_grad():
             seed = merge_prefixes([detach_prefix(state) for state in fused])
 
-    if fused is None and policy.prefix_sms:  # the worker computes the attached actor prefix: every SM
-        policy = replace(policy, prefix_sms=0)  # (its backward runs where its forward ran)
-
     def side(barrier=None):
         return _prefixes(roles, prompts, fused is None, policy.chunk_groups, barrier)
 
