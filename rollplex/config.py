@@ -505,6 +505,9 @@ def _check_schedule(cfg) -> None:
     if cfg.run.prefix_sms and cfg.run.schedule != "rollplex":
         why = "SM partitioning is a rollplex-schedule policy (auto chooses among its own candidates)"
         raise _conflict("run.prefix_sms", cfg.run.prefix_sms, "run.schedule", cfg.run.schedule, why)
+    if cfg.run.prefix_sms and not cfg.run.overlap:
+        why = "the SM limit applies to prefixes that run during decode"
+        raise _conflict("run.prefix_sms", cfg.run.prefix_sms, "run.overlap", False, why)
     if cfg.run.prefix_sms and not cfg.run.prefill_fusion:
         why = (
             "without prefill fusion the worker computes the attached actor prefix, whose backward would "

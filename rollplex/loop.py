@@ -326,13 +326,16 @@ def train(cfg: Config, resume: bool = False, overwrite: bool = False) -> Path:
     """Run GRPO training as configured; returns the run folder.
 
     Args:
-        resume: continue from the run folder's latest checkpoint.
+        resume: continue from the run folder's latest checkpoint; a run already at ``run.steps``
+            returns at once and writes nothing.
         overwrite: start over in a run folder that already holds a run (its checkpoints and metrics are
             removed first); without it such a folder is refused, so no run history is lost by accident.
 
     Raises:
         ConfigError / DatasetError (ValueError): bad config, unreadable dataset or nothing usable left,
             or a run folder that already holds a run (without ``resume`` or ``overwrite``).
+        ValueError: ``resume`` without a checkpoint, or with one of the other schedule (auto against
+            rollplex).
     """
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     _quiet_library_progress()

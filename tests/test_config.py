@@ -345,6 +345,11 @@ def test_schedule_conflicts_name_both_fields():
     assert (cfg.run.schedule, cfg.run.prefill_fusion) == ("rollplex", True)
     with pytest.raises(ConfigError, match=r"run\.prefix_sms=64.*run\.prefill_fusion=False.*backward"):
         load_config(None, ["run.schedule=rollplex", "run.prefix_sms=64"])
+    with pytest.raises(ConfigError, match=r"run\.prefix_sms=64.*run\.overlap=False"):
+        load_config(
+            None,
+            ["run.schedule=rollplex", "run.prefill_fusion=true", "run.overlap=false", "run.prefix_sms=64"],
+        )
     for schedule in ("serial", "auto"):
         with pytest.raises(ConfigError, match=rf"run\.prefix_sms=64.*run\.schedule='{schedule}'"):
             load_config(None, [f"run.schedule={schedule}", "run.prefix_sms=64"])

@@ -85,21 +85,25 @@ def green_stream(device: torch.device, sms: int) -> tuple[torch.cuda.Stream | No
     return stream, count
 
 
-def _partition_sms(index: int, sms: int) -> int:
-    """The SM count the driver gives a green context asked for ``sms``: ``sms`` if it cannot tell (no
-    cuda.bindings, another API version), 0 if the driver refuses the split."""
+def _partition_sms(index: int, sms: int) -> tuple[int, str]:
+    """(SM count the driver gives a green context asked for ``sms``, why not): ``sms`` if it cannot tell
+    (no cuda.bindings, another API version), 0 and the driver's error if it refuses the split."""
     try:
         from cuda.bindings import driver
 
         ok = driver.CUresult.CUDA_SUCCESS
         err, device = driver.cuDeviceGet(index)
-        err2, resource = driver.cuDeviceGetDevResource(
-            device, driver.CUdevResourceType.CU_DEV_RESOURCE_TYPE_SM
-        )
-        err3, groups, count, _ = driver.cuDevSmResourceSplitByCount(1, resource, 0, sms)
+        if err == ok:
+            err, resource = driver.cuDeviceGetDevResource(
+                device, driver.CUdevResourceType.CU_DEV_RESOURCE_TYPE_SM
+            )
+        if err == ok:
+            err, groups, count, _ = driver.cuDevSmResourceSplitByCount(1, resource, 0, sms)
+        if err != ok or count != 1:
+            return 0, f"the driver cannot split {sms} SMs ({getattr(err, 'name', err)})"
+        return int(groups[0].sm.smCount), ""
     except Exception:  # noqa: BLE001 - no cuda.bindings, or another API version: keep the request
-        return sms
-    return int(groups[0].sm.smCount) if (err, err2, err3) == (ok, ok, ok) and count == 1 else 0
+        return sms, ""
 
 
 @functools.cache
@@ -109,9 +113,10 @@ def _warn_once(message: str) -> None:
 
 def _make_green(index: int, sms: int) -> tuple[object, torch.cuda.Stream | None, int]:
     total = torch.cuda.get_device_properties(index).multi_processor_count
-    count = _partition_sms(index, sms) if sms > 0 else 0
-    if not 0 < count < total:
-        why = f"the driver gives {count} of the device's {total}" if count else "the driver cannot split them"
+    count, why = _partition_sms(index, sms) if 0 < sms < total else (0, f"not below the device's {total}")
+    if count >= total:
+        count, why = 0, f"the driver gives {count} SMs, the device's {total}"
+    if count == 0:
         log.warning("prefix SMs %d: %s; prefixes use every SM", sms, why)
         return None, None, 0
     try:

@@ -269,6 +269,7 @@ class RollplexSchedule:
         """What the schedule has learned (for checkpoints): step count, policy, the trial plan and the
         trials' spans, standalone times."""
         return {
+            "schedule": "auto" if self.auto else "rollplex",
             "step_index": self.step_index,
             "policy": asdict(self.policy),
             "trials": [asdict(p) for p in self.trials],
@@ -279,13 +280,24 @@ class RollplexSchedule:
     def load_state_dict(self, state: dict) -> None:
         """Continue from ``state_dict()``'s output: a resumed run neither recalibrates nor repeats trials,
         and keeps the trial plan it started with even if ``run.auto_trials`` changed on resume. auto
-        keeps the policy it chose; a rollplex run takes its policy from the config it resumes with."""
+        keeps the policy it chose; a rollplex run takes its policy from the config it resumes with.
+
+        Raises:
+            ValueError: the state is of the other schedule (auto against rollplex): auto's trials are
+                indexed by step, so a run cannot switch between the two mid-way.
+        """
+        saved, current = state.get("schedule"), "auto" if self.auto else "rollplex"
+        if saved is not None and saved != current:
+            raise ValueError(
+                f"run.schedule={current}, but the checkpoint's run used {saved}: resume with "
+                f"run.schedule={saved}, or start a new run"
+            )
         self.step_index = int(state["step_index"])
         if self.auto:
             self.policy = CoRunPolicy(**state["policy"])
-        if "trials" in state:
-            self.trials = [CoRunPolicy(**p) for p in state["trials"]]
-        self.timings = {CoRunPolicy(**p): list(t) for p, t in state["timings"]}
+            if "trials" in state:
+                self.trials = [CoRunPolicy(**p) for p in state["trials"]]
+            self.timings = {CoRunPolicy(**p): list(t) for p, t in state["timings"]}
         self.alone = Standalone(**state["alone"])
 
     def __call__(

@@ -3,12 +3,16 @@
 
 from __future__ import annotations
 
+import enum
+import sys
 import threading
+import types
 
 import pytest
 import torch
 
 from rollplex.loop import train
+from rollplex.schedule import concurrency
 from rollplex.schedule import rollplex as rollplex_schedule
 from rollplex.schedule.concurrency import SideWork, cross_stream_backward, green_stream
 from rollplex.schedule.rollplex import CoRunPolicy
@@ -82,6 +86,83 @@ def test_the_schedule_hands_the_sm_limit_to_its_worker(assets, tmp_path, monkeyp
 needs_green = pytest.mark.skipif(
     not green_capable(), reason="needs CUDA green contexts (torch, cuda.bindings)"
 )
+
+
+class _FakeDriver:
+    """cuda.bindings.driver's three calls ``_partition_sms`` makes, answering as a driver that rounds
+    up to multiples of 8 (``refuse``: the split fails)."""
+
+    class CUresult(enum.Enum):
+        CUDA_SUCCESS = 0
+        CUDA_ERROR_INVALID_RESOURCE_CONFIGURATION = 914
+
+    class CUdevResourceType:
+        CU_DEV_RESOURCE_TYPE_SM = 1
+
+    def __init__(self, refuse: bool = False):
+        self.refuse = refuse
+
+    def cuDeviceGet(self, index):
+        return self.CUresult.CUDA_SUCCESS, index
+
+    def cuDeviceGetDevResource(self, device, kind):
+        return self.CUresult.CUDA_SUCCESS, "sm resource"
+
+    def cuDevSmResourceSplitByCount(self, groups, resource, flags, sms):
+        if self.refuse:
+            return self.CUresult.CUDA_ERROR_INVALID_RESOURCE_CONFIGURATION, [], 0, None
+        group = types.SimpleNamespace(sm=types.SimpleNamespace(smCount=-(-sms // 8) * 8))
+        return self.CUresult.CUDA_SUCCESS, [group], 1, None
+
+
+@pytest.fixture
+def fake_device(monkeypatch):
+    """A 132-SM device for ``_make_green`` without a GPU; returns a function installing a fake driver."""
+    monkeypatch.setattr(
+        torch.cuda, "get_device_properties", lambda index: types.SimpleNamespace(multi_processor_count=132)
+    )
+
+    def install(driver):
+        package = types.ModuleType("cuda.bindings")
+        package.driver = driver
+        monkeypatch.setitem(sys.modules, "cuda", types.ModuleType("cuda"))
+        monkeypatch.setitem(sys.modules, "cuda.bindings", package)
+        monkeypatch.setitem(sys.modules, "cuda.bindings.driver", driver)
+
+    return install
+
+
+def test_partition_sms_reads_the_drivers_rounding_and_its_refusal(fake_device):
+    fake_device(_FakeDriver())
+    assert concurrency._partition_sms(0, 66) == (72, "")
+    fake_device(_FakeDriver(refuse=True))
+    count, why = concurrency._partition_sms(0, 66)
+    assert count == 0 and "cannot split 66 SMs (CUDA_ERROR_INVALID_RESOURCE_CONFIGURATION)" in why
+
+
+@pytest.mark.parametrize(
+    ("driver", "asked", "reason"),
+    [
+        (_FakeDriver(), 132, "not below the device's 132"),
+        (_FakeDriver(), 130, "the driver gives 136 SMs, the device's 132"),
+        (_FakeDriver(refuse=True), 66, "cannot split 66 SMs"),
+    ],
+)
+def test_make_green_falls_back_with_the_reason(fake_device, caplog, driver, asked, reason):
+    """No green context when the partition would not leave SMs out, or the driver refuses it: every
+    SM, and a warning that says why (nothing of the green-context module is touched)."""
+    fake_device(driver)
+    with caplog.at_level("WARNING"):
+        assert concurrency._make_green(0, asked) == (None, None, 0)
+    assert f"prefix SMs {asked}: " in caplog.text and reason in caplog.text
+
+
+def test_an_sm_limit_on_a_cpu_warns_once(caplog):
+    concurrency._warn_once.cache_clear()
+    with caplog.at_level("WARNING"):
+        for _ in range(2):
+            SideWork(lambda: None, torch.device("cpu"), sms=8)
+    assert caplog.text.count("prefix SMs 8: no SM partitioning on cpu") == 1
 
 
 def _sm_ids(stream: torch.cuda.Stream, programs: int = 4096) -> set[int]:

@@ -104,6 +104,22 @@ def test_a_resumed_rollplex_run_takes_its_policy_from_its_config_and_auto_its_ch
     assert auto.policy == CoRunPolicy(chunk_groups=1)
 
 
+def test_a_run_cannot_switch_between_auto_and_rollplex_on_resume(assets, tmp_path):  # noqa: F811
+    """auto's trials are indexed by step: a checkpoint of one schedule is refused by the other, naming
+    both, before anything of the state is taken."""
+
+    def make(name):
+        return RollplexSchedule(_config(assets, tmp_path, 1, **{"run.schedule": name}), torch.device("cpu"))
+
+    for saved, resumed in (("auto", "rollplex"), ("rollplex", "auto")):
+        state, schedule = make(saved).state_dict() | {"step_index": 3}, make(resumed)
+        with pytest.raises(
+            ValueError, match=f"run.schedule={resumed}, but the checkpoint's run used {saved}"
+        ):
+            schedule.load_state_dict(state)
+        assert schedule.step_index == 0
+
+
 def test_auto_trials_sets_the_trials_per_policy(assets, tmp_path):  # noqa: F811
     cfg = _config(assets, tmp_path, 1, **{"run.schedule": "auto", "run.auto_trials": 1})
     schedule = RollplexSchedule(cfg, torch.device("cpu"))
