@@ -328,12 +328,20 @@ _YamlLoader.add_implicit_resolver(
 )
 
 
-def parse_yaml(text: str) -> Any:
-    """Parse YAML text with exponent floats (``1e-6``) read as floats. Raises ``ConfigError`` on bad YAML."""
+def parse_yaml(text: str, source: str = "") -> Any:
+    """Parse YAML text with exponent floats (``1e-6``) read as floats.
+
+    Raises:
+        ConfigError: bad YAML, naming ``source`` (a file, an override), the line and column (1-based)
+            and the parser's complaint on one line.
+    """
     try:
         return yaml.load(text, Loader=_YamlLoader)
     except yaml.YAMLError as exc:
-        raise ConfigError(f"invalid YAML: {exc}") from exc
+        mark = getattr(exc, "problem_mark", None)
+        where = f"{source}:{mark.line + 1}:{mark.column + 1}" if mark is not None and source else source
+        what = " ".join(str(getattr(exc, "problem", None) or exc).split())
+        raise ConfigError(f"invalid YAML{' in ' + where if where else ''}: {what}") from exc
 
 
 def _section_types() -> dict[str, type]:
@@ -363,7 +371,10 @@ def parse_override(item: str) -> dict:
     key, sep, raw = item.partition("=")
     if not sep or not key.strip():
         raise ConfigError(f"override {item!r} is not of the form section.field=value")
-    value: Any = "" if raw.strip() == "" else parse_yaml(raw)
+    try:
+        value: Any = "" if raw.strip() == "" else parse_yaml(raw)
+    except ConfigError as exc:
+        raise ConfigError(f"override {item!r}: {exc}") from exc
     out: dict = {}
     node = out
     parts = key.strip().split(".")
@@ -550,7 +561,7 @@ def load_config(
         path = Path(path)
         if not path.is_file():
             raise ConfigError(f"config file {str(path)!r} does not exist")
-        _merge(merged, parse_yaml(path.read_text()) or {}, "")
+        _merge(merged, parse_yaml(path.read_text(), str(path)) or {}, "")
     for item in overrides:
         _merge(merged, parse_override(item), "")
     return config_from_dict(merged)

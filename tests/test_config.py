@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import re
 
 import pytest
 import torch
@@ -235,9 +236,12 @@ def test_yaml_file_errors(tmp_path):
     with pytest.raises(ConfigError, match="mapping"):
         load_config(scalar)
     broken = tmp_path / "broken.yaml"
-    broken.write_text("run: [1,\n")
-    with pytest.raises(ConfigError, match="invalid YAML"):
+    broken.write_text("run:\n  steps: 3\n  seed: [1,\n")
+    with pytest.raises(ConfigError, match=rf"invalid YAML in {re.escape(str(broken))}:4:1: \S") as err:
         load_config(broken)
+    assert "\n" not in str(err.value) and "<unicode string>" not in str(err.value)
+    with pytest.raises(ConfigError, match=r"override 'run\.seed=\[1,': invalid YAML: \S"):
+        load_config(None, ["run.seed=[1,"])
     empty = tmp_path / "empty.yaml"
     empty.write_text("")
     assert config_to_dict(load_config(empty)) == SPEC_DEFAULTS
