@@ -223,6 +223,7 @@ class SideWork:
         self.sm_carveout = sm_carveout if self.stream is not None else 0
         use_green = sms > 0 and self.stream is not None
         self.green, self.green_sms = green_stream(device, sms) if use_green else (None, 0)
+        self._streams = [s for s in (self.stream, self.green) if s is not None]  # all the work may use
         if sms > 0 and self.stream is None:
             _warn_once(f"prefix SMs {sms}: no SM partitioning on {device.type}; the prefixes run as usual")
         self.started = False
@@ -234,9 +235,9 @@ class SideWork:
         self._error: BaseException | None = None
 
     def start(self) -> SideWork:
-        if self.stream is not None:
+        if self._streams:
             current = torch.cuda.current_stream(self.device)
-            for stream in (self.stream, self.green) if self.green is not None else (self.stream,):
+            for stream in self._streams:
                 stream.wait_stream(current)  # inputs are ready
         if self.sm_carveout > 0:
             self._carveout_before, self._carveout_on = set_sm_carveout(self.sm_carveout), True
@@ -294,11 +295,10 @@ class SideWork:
         if self._error is not None:
             raise self._error
         assert self._result is not None
-        if self.stream is not None:
+        if self._streams:
             current = torch.cuda.current_stream(self.device)
-            current.wait_stream(self.stream)
-            if self.green is not None:
-                current.wait_stream(self.green)
+            for stream in self._streams:
+                current.wait_stream(stream)
             for tensor in consumers(self._result):
                 tensor.record_stream(current)
         return self._result

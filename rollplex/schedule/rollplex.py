@@ -234,7 +234,7 @@ class RollplexSchedule:
         self.auto = cfg.run.schedule == "auto"
         self.trials: list[CoRunPolicy] = []
         self.timings: dict[CoRunPolicy, list[float]] = {}
-        if cfg.run.schedule == "auto":
+        if self.auto:
             self.trials = auto_candidates(device) * cfg.run.auto_trials
             self.policy = self.trials[0]
         self.alone = Standalone()

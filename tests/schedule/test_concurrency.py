@@ -16,8 +16,8 @@ from rollplex.schedule import concurrency
 from rollplex.schedule import rollplex as rollplex_schedule
 from rollplex.schedule.concurrency import SideWork, cross_stream_backward, green_stream
 from rollplex.schedule.rollplex import CoRunPolicy
-from tests.schedule.test_same_update import SCHEDULES, green_capable
-from tests.test_loop import _config, _metrics, assets  # noqa: F401  (fixture)
+from tests.schedule.test_same_update import SCHEDULES, green_capable, step_rows
+from tests.test_loop import _config, assets  # noqa: F401  (fixture)
 
 _get = getattr(torch._C, "_warn_on_accumulate_grad_stream_mismatch", None)
 _set = getattr(torch._C, "_set_warn_on_accumulate_grad_stream_mismatch", None)
@@ -79,8 +79,7 @@ def test_the_schedule_hands_the_sm_limit_to_its_worker(assets, tmp_path, monkeyp
     run = train(_config(assets, tmp_path / "run", 2, **{"run.device": "cpu", **SCHEDULES["green"]}))
     assert asked == [16]  # the first step is the calibration, which runs its prefixes after decode
     assert barriers == [1, 1]  # one barrier per chunk of one group: the worker can leave the green stream
-    steps = [m for m in _metrics(run) if "schedule/overlap" in m]  # (not the evaluation rows)
-    assert [m["schedule/prefix_sms"] for m in steps] == [0.0, 0.0]
+    assert [m["schedule/prefix_sms"] for m in step_rows(run)] == [0.0, 0.0]
 
 
 needs_green = pytest.mark.skipif(

@@ -56,6 +56,11 @@ def test_schedules_give_identical_parameters(assets, tmp_path):  # noqa: F811
     assert any(r.get("kl", 0) > 0 for r in metrics["serial"])  # the reference path really ran
 
 
+def step_rows(run) -> list[dict]:
+    """The metrics rows of a rollplex or auto run folder's training steps (not its evaluation rows)."""
+    return [m for m in _metrics(run) if "schedule/overlap" in m]
+
+
 def untimed(row: dict) -> dict:
     """A metrics row without its timings (``TIMING`` prefixes)."""
     return {k: v for k, v in row.items() if not k.startswith(TIMING)}
@@ -136,8 +141,7 @@ def test_overlap_gives_identical_parameters_on_gpu(assets, tmp_path):  # noqa: F
         other = _weights(runs[name])
         assert all(torch.equal(serial[k], other[k]) for k in serial), name
     if green_capable():  # the calibration step runs its prefixes after decode; the others on 16 SMs
-        steps = [m for m in _metrics(runs["green"]) if "schedule/overlap" in m]
-        assert [m["schedule/prefix_sms"] for m in steps] == [0.0, 16.0, 16.0]
+        assert [m["schedule/prefix_sms"] for m in step_rows(runs["green"])] == [0.0, 16.0, 16.0]
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
