@@ -30,15 +30,6 @@ DECODE_VARIANTS = {
         "fused_sampling": True,
         "fused_gate": True,
     },
-    "graphs+compile+triton+fused+sampling+gate+block": {
-        "cuda_graphs": True,
-        "compile": True,
-        "attention": "triton",
-        "fused_projections": True,
-        "fused_sampling": True,
-        "fused_gate": True,
-        "fused_block": True,
-    },
     "graphs+compile+triton+fused+sampling+autotune": {
         "cuda_graphs": True,
         "compile": True,
@@ -51,4 +42,4 @@ DECODE_VARIANTS = {
 
 # the default run of ``rollplex bench decode``: every variant but the opt-in max-autotune one (its
 # compilation is slow, and measured slower), so the last, the profiled one, is the CUDA default
-DEFAULT_VARIANTS = tuple(name for name in DECODE_VARIANTS if not name.endswith(("+autotune", "+block")))
+DEFAULT_VARIANTS = tuple(name for name in DECODE_VARIANTS if not name.endswith("+autotune"))

@@ -33,8 +33,7 @@ import torch
 import torch.nn.functional as F
 
 from rollplex.config import COMPILE_MODES, DECODE_ATTENTION
-from rollplex.rollout import block_kernel, sample_kernel
-from rollplex.rollout.block_kernel import MAX_ROWS as BLOCK_MAX_ROWS
+from rollplex.rollout import sample_kernel
 from rollplex.rollout.decode_kernel import fused_decode_attention, supports, triton
 from rollplex.rollout.linear_kernel import MAX_ROWS as GATE_MAX_ROWS
 from rollplex.rollout.linear_kernel import gated_up_product
@@ -347,7 +346,6 @@ class SamplingParams:
     fused_projections: bool = False
     fused_sampling: bool = False
     fused_gate: bool = False
-    fused_block: bool = False
 
     @classmethod
     def from_config(
@@ -533,10 +531,6 @@ class StaticDecoder:
         self.window = max(1, min(params.graph_window, self.shape.budget))
         use_cuda = device.type == "cuda"
         self.attention = _check_attention(params.attention, device, self.shape)
-        self.block_counters = None  # with the block kernel: its counters (rollout.block_kernel)
-        block = params.fused_block and params.fused_projections and self.attention == "triton"
-        if block and fused_gate_runs(device) and rows <= BLOCK_MAX_ROWS:
-            self.block_counters = block_kernel.counters_for(config.hidden_size, device=device)
         self.layer_fns: LayerFns = EAGER_LAYER_FNS
         self.race: Callable = race_tokens
         if params.fused_sampling and fused_sampling_runs(device):
@@ -579,11 +573,7 @@ class StaticDecoder:
                 attention = fused_decode_attention(
                     q, keys, values, lens, own_k, own_v, k, v, step, s.scaling, s.group_size, cos=cos, sin=sin
                 )
-                if self.block_counters is not None:
-                    hidden = self._block(hidden, attention, weights)
-                    if nxt is not None:
-                        q, k, v = fns.qkv(hidden, cos, sin, nxt, s, False)
-                elif nxt is None:
+                if nxt is None:
                     hidden = fns.post(hidden, attention, weights, s)
                 else:
                     hidden, q, k, v = fns.post_qkv(hidden, attention, weights, nxt, cos, sin, s, False)
@@ -597,14 +587,6 @@ class StaticDecoder:
                     hidden, q, k, v = fns.out_qkv(*attend, nxt, cos, sin, s)
         head = self.model.lm_head
         return fns.logits(hidden, lm.norm.weight, head.weight, head.bias, float(lm.norm.variance_epsilon))
-
-    def _block(self, hidden: torch.Tensor, attention: torch.Tensor, weights: LayerTensors) -> torch.Tensor:
-        """The layer after its attention (o projection through the MLP's residual) as one launch of
-        ``block_kernel.post_attention``; hidden and attention [B, Hd], returns hidden [B, Hd]."""
-        wo, ln2, gate_up, down = weights[3:]
-        return block_kernel.post_attention(
-            hidden, attention, wo, ln2, gate_up[0], down, self.shape.eps, self.block_counters
-        )
 
     def _bias(self, length: int) -> torch.Tensor:
         """Additive mask float32 [B, 1, 1, P + L] of the dense attention: prompt padding and own slots
