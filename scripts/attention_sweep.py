@@ -19,7 +19,7 @@ import math
 
 import torch
 
-from rollplex.bench.common import replay_us
+from rollplex.bench.common import cuda_script_args, replay_us
 from rollplex.rollout.decode_kernel import fused_decode_attention
 
 GROUPS, N, HKV, REP, D, PROMPT, LAYERS, WINDOW = 8, 8, 2, 8, 128, 4000, 36, 128
@@ -54,17 +54,18 @@ def time_call(step: int, knobs: dict, replays: int = 20) -> float:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", help="write the table as JSON here")
-    parser.add_argument("--steps", default="64,256,500", help="decode steps (own keys 0..step)")
-    parser.add_argument(
-        "--grid",
-        choices=("chunks", "launch", "merge"),
-        default="chunks",
-        help="chunks: keys per prefix and own-key program; launch: keys per inner iteration, warps and "
-        "pipeline stages at the default chunks; merge: the merge launch's warps",
-    )
-    args = parser.parse_args()
+    def arguments(parser: argparse.ArgumentParser) -> None:
+        parser.add_argument("--out", help="write the table as JSON here")
+        parser.add_argument("--steps", default="64,256,500", help="decode steps (own keys 0..step)")
+        parser.add_argument(
+            "--grid",
+            choices=("chunks", "launch", "merge"),
+            default="chunks",
+            help="chunks: keys per prefix and own-key program; launch: keys per inner iteration, warps and "
+            "pipeline stages at the default chunks; merge: the merge launch's warps",
+        )
+
+    args = cuda_script_args(__doc__, arguments)
     steps = [int(s) for s in args.steps.split(",")]
     if args.grid == "chunks":
         grid = itertools.product((256, 384, 448, 512, 640, 768, 1024), (256, 512))

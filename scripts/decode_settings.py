@@ -11,11 +11,9 @@ Usage: python scripts/decode_settings.py [base cublaslt coordinate-descent tunab
 
 from __future__ import annotations
 
-import sys
-
 import torch
 
-from rollplex.bench.common import PromptShape
+from rollplex.bench.common import PromptShape, cuda_script_args
 from rollplex.bench.decode import (
     DecodeBenchConfig,
     _NoText,
@@ -31,7 +29,13 @@ from rollplex.rollout.engine import SamplingParams, generate
 VARIANT = "graphs+compile+triton+fused+sampling"
 
 
-def main() -> None:
+SETTINGS = ("base", "cublaslt", "coordinate-descent", "tunableop", "profile")
+
+
+def main(settings: list[str]) -> None:
+    unknown = [s for s in settings if s not in SETTINGS]
+    if unknown:  # before minutes of building the workload
+        raise SystemExit(f"unknown setting {unknown[0]!r}: expected any of {', '.join(SETTINGS)}")
     cfg = DecodeBenchConfig()
     model, prompts, prefix, banned = decode_workload(cfg)
     device, shape = prefix.keys[0].device, PromptShape(cfg.text_tokens, cfg.grid)
@@ -53,7 +57,7 @@ def main() -> None:
         torch._dynamo.reset()
         decode._COMPILED.clear()
 
-    for setting in sys.argv[1:] or ["base", "cublaslt", "coordinate-descent", "tunableop"]:
+    for setting in settings or ["base", "cublaslt", "coordinate-descent", "tunableop"]:
         if setting == "base":
             run(setting)
         elif setting == "cublaslt":
@@ -80,9 +84,14 @@ def main() -> None:
             tunable.enable(False)
         elif setting == "profile":
             print(profile_steps(model, prefix, cfg.group_size, params, 16))
-        else:
-            raise SystemExit(f"unknown setting {setting!r}")
 
 
 if __name__ == "__main__":
-    main()
+    main(
+        cuda_script_args(
+            __doc__,
+            lambda p: p.add_argument(
+                "settings", nargs="*", help=f"any of {', '.join(SETTINGS)} (default: all but profile)"
+            ),
+        ).settings
+    )

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 
+from rollplex.bench.common import cuda_script_args
 from rollplex.schedule.concurrency import green_stream
 
 
@@ -52,4 +53,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    cuda_script_args(__doc__)
     main()

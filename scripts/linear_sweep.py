@@ -18,7 +18,7 @@ import json
 import torch
 import torch.nn.functional as F
 
-from rollplex.bench.common import replay_us
+from rollplex.bench.common import cuda_script_args, replay_us
 from rollplex.rollout.linear_kernel import GateLaunch, gated_up_product
 
 ROWS, LAYERS, HIDDEN, INTER = 64, 36, 2048, 11008
@@ -74,9 +74,10 @@ def time_call(call, layers, replays: int = 20) -> dict:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", help="write the table as JSON here")
-    args = parser.parse_args()
+    def arguments(parser: argparse.ArgumentParser) -> None:
+        parser.add_argument("--out", help="write the table as JSON here")
+
+    args = cuda_script_args(__doc__, arguments)
     layers = _layers()
     calls = dict(BASELINES)
     for launch in SETTINGS:

@@ -17,7 +17,7 @@ import statistics
 import torch
 import torch.nn.functional as F
 
-from rollplex.bench.common import replay_us
+from rollplex.bench.common import cuda_script_args, replay_us
 
 LAYERS = 36
 SHAPES = {"qkv": (2560, 2048), "o": (2048, 2048), "gate_up": (22016, 2048), "down": (2048, 11008)}
@@ -69,10 +69,11 @@ def rows() -> dict:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--what", default="blas,rows")
-    parser.add_argument("--out", help="write the results as JSON here")
-    args = parser.parse_args()
+    def arguments(parser: argparse.ArgumentParser) -> None:
+        parser.add_argument("--what", default="blas,rows")
+        parser.add_argument("--out", help="write the results as JSON here")
+
+    args = cuda_script_args(__doc__, arguments)
     torch.manual_seed(0)
     res = {"gpu": torch.cuda.get_device_name()}
     for what in args.what.split(","):

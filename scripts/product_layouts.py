@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from rollplex.bench.common import replay_us
+from rollplex.bench.common import cuda_script_args, replay_us
 
 ROWS, LAYERS = 64, 36
 SHAPES = {"q/k/v": (2560, 2048), "o": (2048, 2048), "gate/up": (22016, 2048), "down": (2048, 11008)}
@@ -38,9 +38,10 @@ def _time(product, x, weights, transposed) -> float:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", help="write the table as JSON here")
-    args = parser.parse_args()
+    def arguments(parser: argparse.ArgumentParser) -> None:
+        parser.add_argument("--out", help="write the table as JSON here")
+
+    args = cuda_script_args(__doc__, arguments)
     gen = torch.Generator(device="cuda").manual_seed(0)
     results = {}
     for name, (n, k) in SHAPES.items():

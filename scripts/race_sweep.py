@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from rollplex.bench.common import replay_us
+from rollplex.bench.common import cuda_script_args, replay_us
 from rollplex.rollout import sample_kernel
 
 CALLS = 32  # race calls per graph
@@ -45,12 +45,11 @@ def _time(race, inputs, banned) -> float:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument("--baseline", help="another sample_kernel.py whose fused_race is timed too")
-    parser.add_argument("--out", help="write the results as JSON here")
-    args = parser.parse_args()
+    def arguments(parser: argparse.ArgumentParser) -> None:
+        parser.add_argument("--baseline", help="another sample_kernel.py whose fused_race is timed too")
+        parser.add_argument("--out", help="write the results as JSON here")
+
+    args = cuda_script_args(__doc__, arguments)
     g = torch.Generator(device="cuda").manual_seed(0)
     inputs = [
         (

@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 from attention_sweep import _inputs  # the attention sweep's 3B-shaped inputs (scripts/ is sys.path[0])
 
+from rollplex.bench.common import cuda_script_args
 from rollplex.rollout.decode_kernel import fused_decode_attention
 from rollplex.rollout.linear_kernel import gated_up_product
 from rollplex.rollout.sample_kernel import fused_race
@@ -61,4 +62,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    cuda_script_args(__doc__)
     main()

@@ -10,11 +10,10 @@ Usage (CUDA): python scripts/step_profile.py OUT_PREFIX     # writes OUT_PREFIX.
 
 from __future__ import annotations
 
-import sys
-
 import torch
 from torch.profiler import ProfilerActivity, profile
 
+from rollplex.bench.common import cuda_script_args
 from rollplex.bench.schedule import ROWS, ScheduleBenchConfig, _Workload
 from rollplex.observe.idle import gap_table
 from rollplex.observe.metrics import PhaseTimer
@@ -52,4 +51,9 @@ def main(out: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    main(
+        cuda_script_args(
+            __doc__,
+            lambda p: p.add_argument("out_prefix", help="write OUT_PREFIX.gaps.txt and OUT_PREFIX.ops.txt"),
+        ).out_prefix
+    )

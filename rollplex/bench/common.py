@@ -6,6 +6,7 @@ tensors of the exact shapes real videos produce; numbers are measured side by si
 
 from __future__ import annotations
 
+import argparse
 import statistics
 import time
 from collections.abc import Callable
@@ -180,6 +181,24 @@ def peak_gib(fn: Callable[[], object], device: torch.device) -> tuple[float, obj
     out = fn()
     _sync(device)
     return (torch.cuda.max_memory_allocated(device) - base) / 2**30, out
+
+
+def cuda_script_args(doc: str, add_arguments: Callable[[argparse.ArgumentParser], None] | None = None):
+    """The command line of a script under scripts/ that needs a GPU: ``--help`` prints ``doc`` (the
+    script's docstring) and whatever ``add_arguments`` adds to the parser; returns the parsed
+    ``argparse.Namespace``.
+
+    Raises:
+        SystemExit: status 0 after ``--help``; status 2, with a one-line error, on a bad argument or
+            where no CUDA device is visible (before the script touches the GPU).
+    """
+    parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    if add_arguments is not None:
+        add_arguments(parser)
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        parser.error("needs a CUDA device, and none is visible")
+    return args
 
 
 def median(values: list[float]) -> float:

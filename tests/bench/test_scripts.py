@@ -1,0 +1,41 @@
+"""The GPU scripts under scripts/: ``--help`` prints the script's docstring, and without a CUDA device
+each stops at once with a one-line error (exit status 2) instead of a driver traceback."""
+
+from __future__ import annotations
+
+import runpy
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+SCRIPTS = sorted((Path(__file__).resolve().parents[2] / "scripts").glob("*.py"))
+REQUIRED = {"step_profile.py": ["out"]}  # positional arguments a script needs
+
+
+def _run(monkeypatch, script: Path, args: list[str]) -> int:
+    monkeypatch.syspath_prepend(str(script.parent))  # as `python scripts/x.py` puts scripts/ first
+    monkeypatch.setattr(sys, "argv", [str(script), *args])
+    with pytest.raises(SystemExit) as stop:
+        runpy.run_path(str(script), run_name="__main__")
+    return stop.value.code
+
+
+def test_there_are_scripts():
+    assert len(SCRIPTS) >= 9
+
+
+@pytest.mark.parametrize("script", SCRIPTS, ids=lambda p: p.name)
+def test_help_prints_the_docstring(script, monkeypatch, capsys):
+    assert _run(monkeypatch, script, ["--help"]) == 0
+    first_line = runpy.run_path(str(script))["__doc__"].splitlines()[0]
+    assert first_line[:40] in " ".join(capsys.readouterr().out.split())
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the scripts would run on this CUDA device")
+@pytest.mark.parametrize("script", SCRIPTS, ids=lambda p: p.name)
+def test_without_a_gpu_each_stops_with_one_line(script, monkeypatch, capsys):
+    assert _run(monkeypatch, script, REQUIRED.get(script.name, [])) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1] == f"{script.name}: error: needs a CUDA device, and none is visible"
