@@ -172,6 +172,7 @@ def _run_row(work: _Workload, name: str, cfg: ScheduleBenchConfig) -> tuple[dict
         row["peak_memory_gib"] = torch.cuda.max_memory_allocated(work.device) / 2**30
         stats = torch.cuda.memory_stats(work.device)  # allocator churn over the row's iterations
         row["alloc_retries"] = stats.get("num_alloc_retries", 0)
+        row["device_allocs"] = stats.get("num_device_alloc", 0)
         row["device_frees"] = stats.get("num_device_free", 0)
     if getattr(step, "trials", None):
         row["auto_policy"] = step.policy.name
@@ -255,6 +256,7 @@ def _print(result: ScheduleBenchResult) -> None:
         "decode_roofline_ratio",
         "peak_memory_gib",
         "alloc_retries",
+        "device_allocs",
         "max_abs_param_diff_vs_serial",
     ]
     keys = [k for k in keys if any(k in row for row in result.rows.values())]
