@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from rollplex.bench.common import PromptShape, cuda_script_args
+from rollplex.bench.common import PromptShape, cuda_script_args, one_of
 from rollplex.bench.decode import (
     DecodeBenchConfig,
     _NoText,
@@ -33,9 +33,6 @@ SETTINGS = ("base", "cublaslt", "coordinate-descent", "tunableop", "profile")
 
 
 def main(settings: list[str]) -> None:
-    unknown = [s for s in settings if s not in SETTINGS]
-    if unknown:  # before minutes of building the workload
-        raise SystemExit(f"unknown setting {unknown[0]!r}: expected any of {', '.join(SETTINGS)}")
     cfg = DecodeBenchConfig()
     model, prompts, prefix, banned = decode_workload(cfg)
     device, shape = prefix.keys[0].device, PromptShape(cfg.text_tokens, cfg.grid)
@@ -91,7 +88,10 @@ if __name__ == "__main__":
         cuda_script_args(
             __doc__,
             lambda p: p.add_argument(
-                "settings", nargs="*", help=f"any of {', '.join(SETTINGS)} (default: all but profile)"
+                "settings",
+                nargs="*",
+                type=one_of(SETTINGS),
+                help=f"any of {', '.join(SETTINGS)} (default: all but profile)",
             ),
         ).settings
     )

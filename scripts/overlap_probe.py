@@ -1,9 +1,10 @@
 """Where an overlapped Phase 1 spends its prefix time: per iteration of ``rollplex bench schedule`` rows
 (default: overlap, then both), the step time, the device allocations the caching allocator made
-(``num_device_alloc``), Eq. 1's terms, and for every prefix call (``models.forward.prefix_states``,
-reference detached or actor attached) the thread it ran on, when the host issued it and when the
-device finished it, in seconds from the step's start. The first iteration of a row is its
-calibration step (prefixes after decode, on the main thread).
+(``num_device_alloc``), Eq. 1's terms, and for each reference (detached) or actor (attached) prefix
+call of the rollplex schedule (``schedule.rollplex``'s ``prefix_states``; the rollout prefill of a
+row without fusion is not among them) the thread it ran on, when the host began and finished issuing
+it and when the device finished it, in seconds from the step's start. The first iteration of a row is
+its calibration step (prefixes after decode, on the main thread); the worker starts with decode.
 
 Usage (CUDA): python scripts/overlap_probe.py [ROW ...]
 """
@@ -16,11 +17,12 @@ import time
 import torch
 
 import rollplex.schedule.rollplex as rollplex_schedule
-from rollplex.bench.common import cuda_script_args
+from rollplex.bench.common import cuda_script_args, one_of
 from rollplex.bench.schedule import ROWS, ScheduleBenchConfig, _Workload
 from rollplex.observe.metrics import PhaseTimer
 from rollplex.schedule import make_step
 
+ROLLPLEX_ROWS = tuple(name for name in ROWS if name != "serial")  # rows with prefix calls to time
 TERMS = ("eq1/T_D", "eq1/T_P", "eq1/T_P_corun", "eq1/delta_D", "eq1/span", "eq1/phase1")
 
 
@@ -40,6 +42,7 @@ def traced(calls: list, prefix_states):
 
 
 def probe_row(work: _Workload, cfg: ScheduleBenchConfig, name: str, calls: list, iterations: int = 3) -> None:
+    """Run ``iterations`` steps of bench row ``name`` and print each step's line and its prefix calls."""
     roles = work.roles(ROWS[name], cfg)
     step = make_step(roles.config, work.device)
     timer = PhaseTimer(sync=torch.cuda.synchronize)
@@ -65,6 +68,7 @@ def probe_row(work: _Workload, cfg: ScheduleBenchConfig, name: str, calls: list,
 
 
 def main(rows: list[str]) -> None:
+    """Probe each of ``rows`` (bench row names of the rollplex schedule) in one process."""
     calls: list = []
     rollplex_schedule.prefix_states = traced(calls, rollplex_schedule.prefix_states)
     cfg = ScheduleBenchConfig()
@@ -76,6 +80,9 @@ def main(rows: list[str]) -> None:
 if __name__ == "__main__":
     main(
         cuda_script_args(
-            __doc__, lambda p: p.add_argument("rows", nargs="*", help=f"rows of {', '.join(ROWS)}")
+            __doc__,
+            lambda p: p.add_argument(
+                "rows", nargs="*", type=one_of(ROLLPLEX_ROWS), help=f"any of {', '.join(ROLLPLEX_ROWS)}"
+            ),
         ).rows
     )

@@ -54,6 +54,8 @@ if __name__ == "__main__":
     main(
         cuda_script_args(
             __doc__,
-            lambda p: p.add_argument("out_prefix", help="write OUT_PREFIX.gaps.txt and OUT_PREFIX.ops.txt"),
+            lambda p: p.add_argument(
+                "out_prefix", metavar="OUT_PREFIX", help="write OUT_PREFIX.gaps.txt and OUT_PREFIX.ops.txt"
+            ),
         ).out_prefix
     )

@@ -183,7 +183,21 @@ def peak_gib(fn: Callable[[], object], device: torch.device) -> tuple[float, obj
     return (torch.cuda.max_memory_allocated(device) - base) / 2**30, out
 
 
-def cuda_script_args(doc: str, add_arguments: Callable[[argparse.ArgumentParser], None] | None = None):
+def one_of(choices: tuple[str, ...]) -> Callable[[str], str]:
+    """An argparse ``type`` accepting only ``choices`` (unlike ``choices=``, it also works for ``nargs="*"``
+    with no value given); a value outside them is a usage error (exit status 2)."""
+
+    def check(value: str) -> str:
+        if value not in choices:
+            raise argparse.ArgumentTypeError(f"{value!r} is not one of {', '.join(choices)}")
+        return value
+
+    return check
+
+
+def cuda_script_args(
+    doc: str, add_arguments: Callable[[argparse.ArgumentParser], None] | None = None
+) -> argparse.Namespace:
     """The command line of a script under scripts/ that needs a GPU: ``--help`` prints ``doc`` (the
     script's docstring) and whatever ``add_arguments`` adds to the parser; returns the parsed
     ``argparse.Namespace``.

@@ -22,8 +22,9 @@ def _run(monkeypatch, script: Path, args: list[str]) -> int:
     return stop.value.code
 
 
-def test_there_are_scripts():
-    assert len(SCRIPTS) >= 9
+def test_every_python_script_is_found():
+    names = {p.name for p in SCRIPTS}
+    assert {"green_probe.py", "step_profile.py", "overlap_probe.py", "decode_settings.py"} <= names
 
 
 @pytest.mark.parametrize("script", SCRIPTS, ids=lambda p: p.name)
@@ -39,3 +40,12 @@ def test_without_a_gpu_each_stops_with_one_line(script, monkeypatch, capsys):
     assert _run(monkeypatch, script, REQUIRED.get(script.name, [])) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert err[-1] == f"{script.name}: error: needs a CUDA device, and none is visible"
+
+
+@pytest.mark.parametrize(
+    ("script", "args"), [("decode_settings.py", ["bogus"]), ("overlap_probe.py", ["serial"])]
+)
+def test_a_bad_argument_is_a_usage_error_before_anything_runs(script, args, monkeypatch, capsys):
+    path = next(p for p in SCRIPTS if p.name == script)
+    assert _run(monkeypatch, path, args) == 2
+    assert f"{args[0]!r} is not one of" in capsys.readouterr().err
