@@ -159,6 +159,24 @@ def _prune(root: Path, keep: int, newest: Path) -> None:
         shutil.rmtree(trash)
 
 
+def _check_finite(model: Any, step: int) -> None:
+    """Refuse to save weights with a NaN or inf (they would replace, and prune, the good checkpoints).
+    Checks ``model.named_parameters()`` where the model has them, with one device synchronisation."""
+    named = getattr(model, "named_parameters", None)
+    if named is None:
+        return
+    params = [(name, p) for name, p in named() if p.is_floating_point()]
+    if not params:
+        return
+    finite = torch.stack([torch.isfinite(p.detach()).all() for _, p in params])
+    if not bool(finite.all()):
+        first = params[int((~finite).nonzero()[0])][0]
+        raise ValueError(
+            f"step {step}: the model's weights are not finite (first: {first}); not saving, so the "
+            "last good checkpoint stays the latest"
+        )
+
+
 def save_checkpoint(
     run_dir: Path, step: int, *, model: Any, processor: Any, trainer_state: dict, keep: int
 ) -> Path:
@@ -170,7 +188,8 @@ def save_checkpoint(
         trainer_state: dict saved with ``torch.save`` (optimizer state, ``rng_state()``, data cursor, step).
         keep: number of newest complete checkpoints left on disk after this save (>= 1).
 
-    Raises ``ValueError`` for ``keep < 1``, a negative step, or when the checkpoint of ``step`` already
+    Raises ``ValueError`` for ``keep < 1``, a negative step, weights with a NaN or inf (nothing is
+    written, so the last good checkpoint stays the latest), or when the checkpoint of ``step`` already
     exists and is the one ``latest`` names (it would be overwritten non-atomically). A complete folder of
     the same step that ``latest`` does not name (left by a save killed before its ``latest`` update) is
     replaced.
@@ -179,6 +198,7 @@ def save_checkpoint(
         raise ValueError(f"keep={keep} must be >= 1")
     if step < 0:
         raise ValueError(f"step={step} must be >= 0")
+    _check_finite(model, step)
     root = Path(run_dir) / CHECKPOINTS
     root.mkdir(parents=True, exist_ok=True)
     _remove_leftovers(root)

@@ -21,6 +21,7 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 import typing
 from dataclasses import dataclass, field
@@ -221,11 +222,16 @@ class AlgoConfig:
     """GRPO advantages, PPO-clip loss, KL to the reference, loss aggregation."""
 
     normalize_std: bool = _field(True, "divide group advantages by the group reward std")
-    clip_low: float = _field(0.2, "PPO clip: ratio lower bound is 1 - clip_low", ge=0)
+    clip_low: float = _field(0.2, "PPO clip: ratio lower bound is 1 - clip_low", ge=0, lt=1)
     clip_high: float = _field(0.28, "PPO clip: ratio upper bound is 1 + clip_high", ge=0)
     kl_coef: float = _field(0.04, "weight of the KL-to-reference term (beta); 0 = off", ge=0)
     kl_estimator: str = _field("k3", "per-token KL estimator", choices=("k1", "k3"))
-    kl_log_ratio_bound: float = _field(20.0, "clamp of |log(ref/actor)| before exp in k3", gt=0)
+    kl_log_ratio_bound: float = _field(
+        20.0,
+        "clamp of |log(ref/actor)| before exp in k3 (at most 80: float32's exp overflows above 88.7, B10)",
+        gt=0,
+        le=80,
+    )
     loss_agg: str = _field(
         "token-mean",
         "loss aggregation over tokens and sequences",
@@ -404,6 +410,8 @@ def _coerce(path: str, value: Any, tp: Any) -> Any:
     }[tp]
     if not ok:
         raise ConfigError(f"{path}: expected {_type_name(tp)}, got {value!r} ({type(value).__name__})")
+    if tp is float and not math.isfinite(value):  # YAML's .inf / .nan: no float setting means them
+        raise ConfigError(f"{path}: expected a finite number, got {value!r}")
     return float(value) if tp is float else value
 
 

@@ -228,6 +228,7 @@ def step_metrics(scored: ScoredBatch, stats: list[ActorStats], norms: list[float
         "response_length": float(rollout.response_lens.float().mean()),
         "truncated_fraction": float(rollout.truncated.float().mean()),
         "grad_norm": float(np.mean(norms)),
+        "skipped_updates": sum(not math.isfinite(n) for n in norms),  # optim.clip_and_step dropped them
         "zero_variance_groups": scored.zero_variance_groups,
         "reward_errors": rewards.errors,
         "logprob_diff_max": max(s.logprob_diff_max for s in stats),
@@ -366,8 +367,10 @@ def train(cfg: Config, resume: bool = False, overwrite: bool = False) -> Path:
     timer = PhaseTimer(sync=torch.cuda.synchronize if run.device.type == "cuda" else None)
     bar = ProgressBar(total=cfg.run.steps, initial=step, enabled=cfg.run.progress)
     record: dict = {}
+    updates_skipped = 0
     while step < cfg.run.steps:
         record = _train_step(run, step, timer)
+        updates_skipped += record["skipped_updates"]
         step += 1
         evaluation = _maybe_eval(run, step, force=step == cfg.run.steps)
         record.update(evaluation)
@@ -386,7 +389,7 @@ def train(cfg: Config, resume: bool = False, overwrite: bool = False) -> Path:
             )
     bar.close()
     write_chrome_trace(timer.spans, run.run_dir / "trace.json")
-    _summary(run, first_eval, record, time.perf_counter() - started)
+    _summary(run, first_eval, record, time.perf_counter() - started, updates_skipped)
     return run.run_dir
 
 
@@ -448,6 +451,12 @@ def _train_step(run: Run, step: int, timer) -> dict:
     record = {"step": step + 1, **step_metrics(scored, stats, norms), **schedule_metrics}
     record.update(timer.pop())
     record["time/step"] = time.perf_counter() - start
+    if record["skipped_updates"]:
+        log.warning(
+            "step %d: the gradient norm was %s; the update was skipped and the weights are unchanged",
+            step + 1,
+            record["grad_norm"],
+        )
     record["skipped_samples"] = len(run.train.skipped) + run.malformed
     record["lr"] = run.roles.optimizer.inner.param_groups[0]["lr"]
     if run.device.type == "cuda":
@@ -471,7 +480,7 @@ def _should_save(cfg: Config, step: int) -> bool:
     return step == cfg.run.steps or (every > 0 and step % every == 0)
 
 
-def _summary(run: Run, first: dict, last: dict, seconds: float) -> None:
+def _summary(run: Run, first: dict, last: dict, seconds: float, updates_skipped: int = 0) -> None:
     parts = [f"run folder {run.run_dir}", f"{seconds / 60:.1f} min from model load to last save"]
     if "val_accuracy" in first and "val_accuracy" in last:
         parts.append(f"held-out accuracy {first['val_accuracy']:.3f} -> {last['val_accuracy']:.3f}")
@@ -482,6 +491,9 @@ def _summary(run: Run, first: dict, last: dict, seconds: float) -> None:
     skipped = len(run.train.skipped) + run.malformed
     if skipped:
         parts.append(f"{skipped} samples skipped")
+    if updates_skipped:
+        plural = "s" if updates_skipped != 1 else ""
+        parts.append(f"{updates_skipped} update{plural} skipped (gradient not finite)")
     log.info("done: %s", "; ".join(parts))
     if not math.isfinite(last.get("loss", 0.0)):
         log.warning("the last loss was not finite")

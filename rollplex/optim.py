@@ -45,9 +45,13 @@ class MasterWeightAdamW:
 
     def clip_and_step(self, max_grad_norm: float) -> float:
         """Clip the global gradient norm to ``max_grad_norm`` (0 = no clipping), step, zero gradients.
+        A gradient whose norm is not finite (one NaN or inf anywhere) is dropped without a step: the
+        weights and the AdamW state stay as they were, where stepping would write NaN into every
+        weight (and every later checkpoint).
 
         Returns:
-            The global L2 gradient norm before clipping (float, finite or inf/nan as computed).
+            The global L2 gradient norm before clipping (float, finite or inf/nan as computed; not
+            finite means the step was skipped).
         """
         if self.shadow:
             for p, m in zip(self.params, self.masters):
@@ -56,6 +60,9 @@ class MasterWeightAdamW:
         norm = torch.nn.utils.clip_grad_norm_(
             self.masters, max_grad_norm if max_grad_norm > 0 else float("inf")
         )
+        if not torch.isfinite(norm):
+            self.zero_grad()
+            return float(norm)
         self.inner.step()
         if self.shadow:
             with torch.no_grad():

@@ -116,6 +116,25 @@ def test_crash_before_latest_update_keeps_previous_and_is_repaired(tmp_path, mon
     assert latest_checkpoint(tmp_path) == path and _weights(path) == 7.0
 
 
+def test_weights_that_are_not_finite_are_never_saved(tmp_path):
+    """A model with a NaN weight is refused before anything is written: the last good checkpoint stays
+    the latest, and none is pruned."""
+    _save(tmp_path, 1)
+    good = _save(tmp_path, 2)
+    model = torch.nn.Linear(2, 2)
+    with torch.no_grad():
+        model.bias[1] = float("nan")
+    with pytest.raises(ValueError, match="not finite.*bias"):
+        save_checkpoint(tmp_path, 3, model=model, processor=None, trainer_state={}, keep=1)
+    assert latest_checkpoint(tmp_path) == good
+    assert [c.name for c in list_checkpoints(tmp_path)] == ["step_000001", "step_000002"]
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == [
+        "latest",
+        "step_000001",
+        "step_000002",
+    ]
+
+
 def test_refuses_to_overwrite_the_latest_checkpoint(tmp_path):
     _save(tmp_path, 5)
     with pytest.raises(ValueError, match="already exists"):

@@ -134,6 +134,11 @@ def test_int_is_accepted_for_float_and_converted():
         ("algo.clip_low=-0.1", ["algo.clip_low", ">= 0"]),
         ("optim.beta2=1.0", ["optim.beta2", "< 1"]),
         ("optim.lr=.nan", ["optim.lr"]),
+        ("algo.kl_coef=.inf", ["algo.kl_coef", "finite", "inf"]),
+        ("reward.weights=[1.0, .nan]", ["reward.weights[1]", "finite", "nan"]),
+        ("algo.clip_high=-.inf", ["algo.clip_high"]),
+        ("algo.kl_log_ratio_bound=100", ["algo.kl_log_ratio_bound", "<= 80"]),  # B10: exp overflows past 88.7
+        ("algo.clip_low=1.5", ["algo.clip_low=1.5", "< 1"]),  # the ratio's lower bound 1 - clip_low > 0
         ("run.schedule=overlap", ["run.schedule", "serial", "rollplex"]),
         ("run.device=tpu", ["run.device", "auto", "cpu", "cuda"]),
         ("algo.loss_agg=sum", ["algo.loss_agg", "token-mean"]),

@@ -245,3 +245,36 @@ def test_resume_with_no_step_left_says_so(assets, tmp_path, caplog):
         train(cfg, resume=True)
     assert "at step 2 of run.steps=2: nothing left to train (raise run.steps to go on)" in caplog.text
     assert {p: p.read_bytes() for p in run.rglob("*") if p.is_file()} == before
+
+
+def test_a_gradient_that_is_not_finite_skips_the_update_and_saves_good_weights(
+    assets, tmp_path, monkeypatch, caplog
+):
+    """A NaN gradient at step 2 (poisoned as the optimizer receives it): the update is dropped, so the
+    weights after step 2 equal those after step 1, step 3 trains on, every checkpoint is finite, and the
+    step's metrics and the log say what happened."""
+    from rollplex.optim import MasterWeightAdamW
+
+    real, calls = MasterWeightAdamW.clip_and_step, []
+
+    def poisoned(self, max_grad_norm):
+        calls.append(1)
+        if len(calls) == 2:
+            grads = [p for p in self.params if p.grad is not None]
+            grads[0].grad.view(-1)[0] = float("nan")
+        return real(self, max_grad_norm)
+
+    monkeypatch.setattr(MasterWeightAdamW, "clip_and_step", poisoned)
+    cfg = _config(assets, tmp_path / "run", 3, **{"run.save_every": 1, "run.keep_checkpoints": 3})
+    with caplog.at_level(logging.INFO):
+        run = train(cfg)
+    rows = [r for r in _metrics(run) if "skipped_updates" in r]
+    assert [r["skipped_updates"] for r in rows] == [0, 1, 0]
+    steps = {
+        s: load_file(run / "checkpoints" / f"step_{s:06d}" / "hf" / "model.safetensors") for s in (1, 2, 3)
+    }
+    assert all(torch.equal(steps[1][k], steps[2][k]) for k in steps[1])  # the update was dropped
+    assert any(not torch.equal(steps[2][k], steps[3][k]) for k in steps[2])  # and training went on
+    assert all(torch.isfinite(t).all() for weights in steps.values() for t in weights.values())
+    assert "step 2: the gradient norm was nan; the update was skipped" in caplog.text
+    assert "1 update skipped (gradient not finite)" in caplog.text

@@ -192,11 +192,14 @@ def _compare(answer: str | None, record: Record) -> float:
 
 def _scored(fn: Callable[[str, Record], float], completion: str, record: Record) -> Score:
     try:
-        return Score(float(fn(completion, record)))
+        value = float(fn(completion, record))
     except _FlaggedSample as flag:
         return Score(0.0, str(flag))
     except Exception as exc:  # any failing reward scores 0.0 and is counted (formats.md §1.4)
         return Score(0.0, f"reward raised on problem_id={record.problem_id}: {exc!r}")
+    if not math.isfinite(value):  # a NaN or inf reward would reach every weight through the advantages
+        return Score(0.0, f"reward returned {value} on problem_id={record.problem_id}")
+    return Score(value)
 
 
 # ---------------------------------------------------------------- scorers: value and flag

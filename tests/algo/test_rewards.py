@@ -227,6 +227,9 @@ def reward_module(tmp_path, monkeypatch):
             def broken(completion, record):
                 raise RuntimeError("boom")
 
+            def not_a_number(completion, record):
+                return {"A": float("nan"), "B": float("inf")}.get(completion, 1.0)
+
             NOT_CALLABLE = 3
             """
         )
@@ -270,6 +273,16 @@ def test_compute_rewards_weights_fields_and_errors(reward_module, caplog):
     assert broken.per_function[f"{reward_module}:broken"].tolist() == [0.0, 0.0, 0.0]
     assert broken.errors == 3 and broken.total.tolist() == [1.0, 0.0, 1.0]
     assert any("boom" in r.getMessage() for r in caplog.records)
+
+
+def test_a_reward_that_is_not_finite_scores_zero_and_is_counted(reward_module, caplog):
+    """A custom reward returning NaN or inf for a row scores that row 0 and counts it as an error: a
+    NaN reward would reach every weight through the group's advantages."""
+    with caplog.at_level(logging.ERROR, logger="rollplex.algo.rewards"):
+        result = compute_rewards(["A", "B", "C"], [MC_B] * 3, [f"{reward_module}:not_a_number"], None)
+    assert result.total.tolist() == [0.0, 0.0, 1.0] and bool(torch.isfinite(result.total).all())
+    assert result.errors == 2
+    assert any("returned nan" in r.getMessage() for r in caplog.records)
 
 
 def test_compute_rewards_answer_only_and_absent_fields():
