@@ -132,6 +132,7 @@ class Run:
     malformed: int
     device: torch.device
     step_fn: Callable | None = None  # the schedule's step (schedule.make_step); set by build_run
+    val_malformed: int = 0  # malformed held-out records (skipped at load)
 
 
 def build_run(cfg: Config) -> Run:
@@ -172,12 +173,21 @@ def build_run(cfg: Config) -> Run:
         cfg.data.shuffle,
         shuffled_twins=uses_temporal(roles),
     )
-    val_source = None
+    val_source, val_malformed = None, 0
     if cfg.data.val_path:
-        val_source, _ = build_source(cfg, cfg.data.val_path, processor, actor, shuffle=False)
+        val_source, val_malformed = build_source(cfg, cfg.data.val_path, processor, actor, shuffle=False)
     step_fn = make_step(cfg, device)
     return Run(
-        cfg, Path(cfg.run.out_dir), roles, processor, train_source, val_source, malformed, device, step_fn
+        cfg,
+        Path(cfg.run.out_dir),
+        roles,
+        processor,
+        train_source,
+        val_source,
+        malformed,
+        device,
+        step_fn,
+        val_malformed,
     )
 
 
@@ -469,7 +479,7 @@ def _maybe_eval(run: Run, step: int, force: bool) -> dict:
     if run.val is None or (not force and (every <= 0 or step % every)):
         return {}
     accuracy, chance = evaluate(run)
-    out = {"val_accuracy": accuracy}
+    out = {"val_accuracy": accuracy, "val_skipped_samples": len(run.val.skipped) + run.val_malformed}
     if chance is not None:
         out["chance_accuracy"] = chance
     return out
@@ -491,6 +501,9 @@ def _summary(run: Run, first: dict, last: dict, seconds: float, updates_skipped:
     skipped = len(run.train.skipped) + run.malformed
     if skipped:
         parts.append(f"{skipped} samples skipped")
+    val_skipped = last.get("val_skipped_samples", 0)
+    if val_skipped:
+        parts.append(f"{val_skipped} held-out samples skipped")
     if updates_skipped:
         plural = "s" if updates_skipped != 1 else ""
         parts.append(f"{updates_skipped} update{plural} skipped (gradient not finite)")

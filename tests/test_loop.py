@@ -166,27 +166,32 @@ def test_bad_samples_are_skipped_and_counted(assets, tmp_path, caplog):
     malformed = {"problem_id": 9004, "problem": "no other fields"}
     mixed = tmp_path / "train.json"
     _write_records(mixed, [broken, corrupt, too_long, malformed, *rows[3:]])
+    val_rows = json.loads((data / "val.json").read_text())
+    val = tmp_path / "val.json"
+    _write_records(
+        val, [dict(val_rows[0], problem_id=9005, path="./CLEVRER/synth/corrupt.mp4"), *val_rows[1:]]
+    )
     cfg = _config(
         assets,
         tmp_path / "run",
         2,
         **{
             "data.train_path": str(mixed),
+            "data.val_path": str(val),
             "data.data_root": str(data),
             "data.max_prompt_tokens": 400,
-            "eval.every": 0,
-            "data.val_path": "",
+            "data.shuffle": False,  # the three bad records are the first drawn
         },
     )
     with caplog.at_level(logging.WARNING):
         run = train(cfg)
-    assert _metrics(run)[-1]["skipped_samples"] >= 1
-    log = caplog.text
-    for problem_id in (9001, 9002, 9003):
-        if f"problem_id {problem_id}" in log:
-            line = next(x for x in log.splitlines() if f"problem_id {problem_id}" in x)
-            assert "skipping" in line
-    assert "9004" in log  # the malformed record is named
+    assert _metrics(run)[-1]["skipped_samples"] == 4  # three when drawn, the malformed one at load
+    assert [r["val_skipped_samples"] for r in _metrics(run) if "val_accuracy" in r] == [1, 1]
+    lines = caplog.text.splitlines()
+    for problem_id in (9001, 9002, 9003, 9005):
+        named = [x for x in lines if f"problem_id {problem_id}" in x]
+        assert len(named) == 1 and "skipping" in named[0], named  # one line each, remembered after
+    assert sum("9004" in x for x in lines) == 1  # the malformed record is named once
 
 
 def test_nothing_usable_stops_with_a_clear_error(assets, tmp_path):

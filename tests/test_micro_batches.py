@@ -1,0 +1,69 @@
+"""B11 in the training code: ``phases.actor_backward`` with one group per micro-batch accumulates the
+same gradient as the whole mini-batch in one pass, for every loss aggregation, when the groups' responses
+have different lengths (each micro-batch's loss is normalised by the mini-batch's counts, not its own)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from rollplex.config import load_config
+from rollplex.data.synth import generate_dataset
+from rollplex.loop import build_run
+from rollplex.models.presets import init_checkpoint
+from rollplex.phases import actor_backward, reference_phase, reward_phase, rollout_phase
+
+
+@pytest.fixture(scope="module")
+def batch(tmp_path_factory):
+    """A float64 run of the tiny model, one rollout of 3 groups of 2, its scores, and responses cut to
+    lengths 1..4 so the groups hold 3, 7 and 8 response tokens."""
+    root = tmp_path_factory.mktemp("micro")
+    model = init_checkpoint("tiny", root / "model", seed=0)
+    generate_dataset(root / "data", 8, 0, width=56, height=56, num_frames=8, fps=4.0, families=("color",))
+    overrides = {
+        "run.out_dir": str(root / "run"),
+        "run.dtype": "float64",
+        "model.path": str(model),
+        "data.train_path": str(root / "data" / "train.json"),
+        "data.template": "answer_only",
+        "data.video_min_pixels": 3136,
+        "data.video_max_pixels": 3136,
+        "rollout.group_size": 2,
+        "rollout.prompts_per_step": 3,
+        "rollout.max_response_tokens": 4,
+        "reward.functions": "[answer_accuracy, answer_format]",
+        "algo.kl_coef": 0.04,
+    }
+    cfg = load_config(None, [f"{k}={v}" for k, v in overrides.items()])
+    run = build_run(cfg)
+    roles = run.roles
+    rollout = rollout_phase(roles, run.train.next_batch(), 2, roles.sampling)
+    rollout = dataclasses.replace(rollout, response_lens=torch.tensor([1, 2, 3, 4, 4, 4]))
+    scored = reference_phase(roles, reward_phase(roles, rollout))
+    advantages = torch.tensor([0.7, -0.3, 1.1, -0.9, 0.4, -0.2])  # nonzero for every row
+    return roles, dataclasses.replace(scored, advantages=advantages)
+
+
+def _gradients(roles, scored, aggregation: str, micro: int) -> dict[str, torch.Tensor]:
+    algo = dataclasses.replace(roles.config.algo, loss_agg=aggregation, micro_batch_groups=micro)
+    roles = dataclasses.replace(roles, config=dataclasses.replace(roles.config, algo=algo))
+    roles.optimizer.zero_grad()
+    actor_backward(roles, scored, [0, 1, 2], None)
+    grads = {n: p.grad.clone() for n, p in roles.actor.named_parameters() if p.grad is not None}
+    roles.optimizer.zero_grad()
+    return grads
+
+
+@pytest.mark.parametrize("aggregation", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"])
+def test_one_group_per_micro_batch_accumulates_the_whole_batch_gradient(batch, aggregation):
+    roles, scored = batch
+    assert scored.rollout.response_mask().view(3, -1).sum(1).tolist() == [3, 7, 8]
+    whole = _gradients(roles, scored, aggregation, 0)
+    split = _gradients(roles, scored, aggregation, 1)
+    assert whole.keys() == split.keys() and len(whole) > 10
+    scale = max(float(g.abs().max()) for g in whole.values())
+    assert scale > 0
+    assert all(torch.allclose(split[n], whole[n], rtol=0, atol=1e-12 * scale) for n in whole)
