@@ -159,6 +159,67 @@ def test_frozen_vision_gets_no_grad_and_keeps_no_graph(models):
     oracle.model.visual.requires_grad_(True)
 
 
+def _vision_setting_grads(model, setting: str, checkpointing: bool):
+    """Gradients of one backward with the vision tower "trainable", "merger" (blocks frozen, merger
+    trainable) or "frozen", and whether the tower's output carried an autograd graph."""
+    import copy
+
+    m = copy.deepcopy(model)
+    if checkpointing:
+        enable_checkpointing(m)
+    m.zero_grad(set_to_none=True)
+    m.requires_grad_(True)
+    m.model.visual.requires_grad_(setting == "trainable")
+    m.model.visual.merger.requires_grad_(setting != "frozen")
+    graphs = []
+    hook = m.model.visual.register_forward_hook(lambda mod, args, out: graphs.append(_has_graph(out)))
+    prompts, responses, lens = _batch()
+    prefix = prefix_forward(m, prompts, temperature=T, banned_ids=BANNED, attached=True)
+    got, _ = suffix_logprobs(m, prefix, responses, group_size=N, temperature=T, banned_ids=BANNED)
+    _loss([got[b, : lens[b]] for b in range(len(lens))]).backward()
+    hook.remove()
+    return _grads(m), any(graphs)
+
+
+def _has_graph(out) -> bool:
+    tensors = (
+        [out]
+        if torch.is_tensor(out)
+        else [t for t in getattr(out, "values", lambda: [])() if torch.is_tensor(t)]
+    )
+    tensors = tensors or [t for t in (out if isinstance(out, tuple) else ()) if torch.is_tensor(t)]
+    return any(t.grad_fn is not None for t in tensors)
+
+
+def test_b17_vision_settings_under_checkpointing(models):
+    """B17's three settings, with activation checkpointing on: every trainable vision parameter gets a
+    nonzero gradient equal to the run without checkpointing; frozen blocks get no .grad, a frozen tower
+    returns no autograd graph; the language model's gradients are the same in all three."""
+    runs = {
+        s: _vision_setting_grads(models[0], s, checkpointing=True) for s in ("trainable", "merger", "frozen")
+    }
+    plain = {s: _vision_setting_grads(models[0], s, checkpointing=False)[0] for s in ("trainable", "merger")}
+    (trainable, graph_t), (merger, graph_m), (frozen, graph_f) = (
+        runs["trainable"],
+        runs["merger"],
+        runs["frozen"],
+    )
+    assert any(n.startswith("model.visual.blocks") for n in trainable) and graph_t and graph_m and not graph_f
+    assert any(n.startswith("model.visual.merger") for n in merger)
+    assert not any(n.startswith("model.visual.blocks") for n in merger)
+    assert not any(n.startswith("model.visual") for n in frozen)
+    for setting, grads in (("trainable", trainable), ("merger", merger)):
+        for name, g in grads.items():
+            if name.startswith("model.visual"):
+                assert float(g.abs().max()) > 0, name
+                assert torch.allclose(g, plain[setting][name], rtol=1e-12, atol=1e-14), (setting, name)
+    language = [n for n in trainable if not n.startswith("model.visual")]
+    assert language and all(n in merger and n in frozen for n in language)
+    for name in language:
+        assert torch.allclose(merger[name], trainable[name], rtol=1e-12, atol=1e-14), name
+        assert torch.allclose(frozen[name], trainable[name], rtol=1e-12, atol=1e-14), name
+
+
 def test_step0_reference_equals_actor(models):
     """With reference == actor: detached and attached paths give identical log-probs (KL 0, ratio 1)."""
     model, _ = models

@@ -139,8 +139,6 @@ def test_step0_rollout_vs_trainer_float32(models, attention, fused_sampling, mon
     diff = (trainer.detach() - batch.logprobs).abs()[batch.response_mask()]
     assert diff.max() <= 1e-5
     assert len(spy) == (11 if fused_sampling else 0)  # one race per decode step
-    ratio = torch.exp(trainer - trainer.detach())[batch.response_mask()]
-    assert torch.equal(ratio, torch.ones_like(ratio))
 
 
 def test_eos_lengths_and_padding(models):
