@@ -133,6 +133,7 @@ class Run:
     device: torch.device
     step_fn: Callable | None = None  # the schedule's step (schedule.make_step); set by build_run
     val_malformed: int = 0  # malformed held-out records (skipped at load)
+    updates_skipped: int = 0  # optimizer updates dropped for a gradient norm that is not finite, whole run
 
 
 def build_run(cfg: Config) -> Run:
@@ -281,6 +282,7 @@ def trainer_state(run: Run, step: int) -> dict:
         "generator": run.roles.generator.get_state(),
         "train_cursor": run.train.state_dict(),
         "schedule": run.step_fn.state_dict() if hasattr(run.step_fn, "state_dict") else None,
+        "updates_skipped": run.updates_skipped,
     }
 
 
@@ -303,6 +305,7 @@ def restore(run: Run, ckpt: Path) -> int:
     run.train.load_state_dict(state["train_cursor"])
     if state.get("schedule") is not None and hasattr(run.step_fn, "load_state_dict"):
         run.step_fn.load_state_dict(state["schedule"])
+    run.updates_skipped = int(state.get("updates_skipped", 0))
     return int(state["step"])
 
 
@@ -377,10 +380,9 @@ def train(cfg: Config, resume: bool = False, overwrite: bool = False) -> Path:
     timer = PhaseTimer(sync=torch.cuda.synchronize if run.device.type == "cuda" else None)
     bar = ProgressBar(total=cfg.run.steps, initial=step, enabled=cfg.run.progress)
     record: dict = {}
-    updates_skipped = 0
     while step < cfg.run.steps:
         record = _train_step(run, step, timer)
-        updates_skipped += record["skipped_updates"]
+        run.updates_skipped += record["skipped_updates"]
         step += 1
         evaluation = _maybe_eval(run, step, force=step == cfg.run.steps)
         record.update(evaluation)
@@ -399,7 +401,7 @@ def train(cfg: Config, resume: bool = False, overwrite: bool = False) -> Path:
             )
     bar.close()
     write_chrome_trace(timer.spans, run.run_dir / "trace.json")
-    _summary(run, first_eval, record, time.perf_counter() - started, updates_skipped)
+    _summary(run, first_eval, record, time.perf_counter() - started)
     return run.run_dir
 
 
@@ -463,9 +465,11 @@ def _train_step(run: Run, step: int, timer) -> dict:
     record["time/step"] = time.perf_counter() - start
     if record["skipped_updates"]:
         log.warning(
-            "step %d: the gradient norm was %s; the update was skipped and the weights are unchanged",
+            "step %d: %d of %d updates skipped, their gradient norm not finite (the weights are as "
+            "before each of them)",
             step + 1,
-            record["grad_norm"],
+            record["skipped_updates"],
+            len(norms),
         )
     record["skipped_samples"] = len(run.train.skipped) + run.malformed
     record["lr"] = run.roles.optimizer.inner.param_groups[0]["lr"]
@@ -490,7 +494,7 @@ def _should_save(cfg: Config, step: int) -> bool:
     return step == cfg.run.steps or (every > 0 and step % every == 0)
 
 
-def _summary(run: Run, first: dict, last: dict, seconds: float, updates_skipped: int = 0) -> None:
+def _summary(run: Run, first: dict, last: dict, seconds: float) -> None:
     parts = [f"run folder {run.run_dir}", f"{seconds / 60:.1f} min from model load to last save"]
     if "val_accuracy" in first and "val_accuracy" in last:
         parts.append(f"held-out accuracy {first['val_accuracy']:.3f} -> {last['val_accuracy']:.3f}")
@@ -504,9 +508,9 @@ def _summary(run: Run, first: dict, last: dict, seconds: float, updates_skipped:
     val_skipped = last.get("val_skipped_samples", 0)
     if val_skipped:
         parts.append(f"{val_skipped} held-out samples skipped")
-    if updates_skipped:
-        plural = "s" if updates_skipped != 1 else ""
-        parts.append(f"{updates_skipped} update{plural} skipped (gradient not finite)")
+    if run.updates_skipped:
+        plural = "s" if run.updates_skipped != 1 else ""
+        parts.append(f"{run.updates_skipped} update{plural} skipped (gradient norm not finite)")
     log.info("done: %s", "; ".join(parts))
     if not math.isfinite(last.get("loss", 0.0)):
         log.warning("the last loss was not finite")

@@ -45,9 +45,9 @@ class MasterWeightAdamW:
 
     def clip_and_step(self, max_grad_norm: float) -> float:
         """Clip the global gradient norm to ``max_grad_norm`` (0 = no clipping), step, zero gradients.
-        A gradient whose norm is not finite (one NaN or inf anywhere) is dropped without a step: the
-        weights and the AdamW state stay as they were, where stepping would write NaN into every
-        weight (and every later checkpoint).
+        A gradient whose global norm is not finite (a NaN or inf in it, or a norm past float32's range)
+        is dropped without a step: the weights and the AdamW state stay as they were, where stepping
+        would write NaN into every weight (and every later checkpoint).
 
         Returns:
             The global L2 gradient norm before clipping (float, finite or inf/nan as computed; not

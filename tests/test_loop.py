@@ -169,7 +169,12 @@ def test_bad_samples_are_skipped_and_counted(assets, tmp_path, caplog):
     val_rows = json.loads((data / "val.json").read_text())
     val = tmp_path / "val.json"
     _write_records(
-        val, [dict(val_rows[0], problem_id=9005, path="./CLEVRER/synth/corrupt.mp4"), *val_rows[1:]]
+        val,
+        [
+            dict(val_rows[0], problem_id=9005, path="./CLEVRER/synth/corrupt.mp4"),
+            {"problem_id": 9006},  # malformed: skipped at load
+            *val_rows[1:],
+        ],
     )
     cfg = _config(
         assets,
@@ -186,12 +191,14 @@ def test_bad_samples_are_skipped_and_counted(assets, tmp_path, caplog):
     with caplog.at_level(logging.WARNING):
         run = train(cfg)
     assert _metrics(run)[-1]["skipped_samples"] == 4  # three when drawn, the malformed one at load
-    assert [r["val_skipped_samples"] for r in _metrics(run) if "val_accuracy" in r] == [1, 1]
+    assert [r["val_skipped_samples"] for r in _metrics(run) if "val_accuracy" in r] == [2, 2]
     lines = caplog.text.splitlines()
     for problem_id in (9001, 9002, 9003, 9005):
         named = [x for x in lines if f"problem_id {problem_id}" in x]
         assert len(named) == 1 and "skipping" in named[0], named  # one line each, remembered after
-    assert sum("9004" in x for x in lines) == 1  # the malformed record is named once
+    assert (
+        sum("9004" in x for x in lines) == 1 and sum("9006" in x for x in lines) == 1
+    )  # malformed: named once
 
 
 def test_nothing_usable_stops_with_a_clear_error(assets, tmp_path):
@@ -281,5 +288,12 @@ def test_a_gradient_that_is_not_finite_skips_the_update_and_saves_good_weights(
     assert all(torch.equal(steps[1][k], steps[2][k]) for k in steps[1])  # the update was dropped
     assert any(not torch.equal(steps[2][k], steps[3][k]) for k in steps[2])  # and training went on
     assert all(torch.isfinite(t).all() for weights in steps.values() for t in weights.values())
-    assert "step 2: the gradient norm was nan; the update was skipped" in caplog.text
-    assert "1 update skipped (gradient not finite)" in caplog.text
+    assert "step 2: 1 of 1 updates skipped, their gradient norm not finite" in caplog.text
+    assert "1 update skipped (gradient norm not finite)" in caplog.text
+    from rollplex.checkpoint import load_trainer_state
+
+    assert load_trainer_state(run / "checkpoints" / "step_000003")["updates_skipped"] == 1
+    caplog.clear()
+    with caplog.at_level(logging.INFO):
+        train(_config(assets, run, 4, **{"run.save_every": 1, "run.keep_checkpoints": 3}), resume=True)
+    assert "1 update skipped (gradient norm not finite)" in caplog.text  # the count survives a resume

@@ -25,6 +25,7 @@ def batch(tmp_path_factory):
     generate_dataset(root / "data", 8, 0, width=56, height=56, num_frames=8, fps=4.0, families=("color",))
     overrides = {
         "run.out_dir": str(root / "run"),
+        "run.device": "cpu",  # float64 rollout: the CPU path on any machine
         "run.dtype": "float64",
         "model.path": str(model),
         "data.train_path": str(root / "data" / "train.json"),

@@ -36,7 +36,13 @@ def test_a_gradient_that_is_not_finite_is_dropped(dtype, poison):
     assert all(torch.equal(before[k], after[k]) for k in before)  # no NaN written anywhere
     assert all(p.grad is None for p in model.parameters())
     inner_before, inner_after = state["inner"]["state"], opt.state_dict()["inner"]["state"]
-    assert all(torch.equal(inner_before[i]["step"], inner_after[i]["step"]) for i in inner_before)
+    assert inner_before.keys() == inner_after.keys()
+    for i, entry in inner_before.items():  # step count, exp_avg and exp_avg_sq of every parameter
+        assert entry.keys() == inner_after[i].keys()
+        assert all(torch.equal(entry[k], inner_after[i][k]) for k in entry)
+    assert all(
+        torch.equal(m, n) for m, n in zip(state.get("masters", []), opt.state_dict().get("masters", []))
+    )
     _backward(model)
     opt.clip_and_step(1.0)  # and the next finite gradient steps as usual
     assert not torch.equal(before["weight"], model.state_dict()["weight"])

@@ -35,6 +35,7 @@ log = logging.getLogger(__name__)
 RewardFn = Callable[[str, Record], float]
 
 THINK_OPEN, THINK_CLOSE, ANSWER_OPEN, ANSWER_CLOSE = "<think>", "</think>", "<answer>", "</answer>"
+_FLOAT32_MAX = float(torch.finfo(torch.float32).max)  # rewards are stored in float32
 _FORMAT_RE = re.compile(r"<think>.*?</think>\s*<answer>.*?</answer>", re.DOTALL)
 _ANSWER_RE = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
 _OPTION_RE = re.compile(r"\(?\s*([A-Za-z])\s*(?:[.)].*)?", re.DOTALL)
@@ -197,7 +198,8 @@ def _scored(fn: Callable[[str, Record], float], completion: str, record: Record)
         return Score(0.0, str(flag))
     except Exception as exc:  # any failing reward scores 0.0 and is counted (formats.md §1.4)
         return Score(0.0, f"reward raised on problem_id={record.problem_id}: {exc!r}")
-    if not math.isfinite(value):  # a NaN or inf reward would reach every weight through the advantages
+    # NaN, inf, or a value that becomes inf in float32 would reach every weight through the advantages
+    if not abs(value) <= _FLOAT32_MAX:
         return Score(0.0, f"reward returned {value} on problem_id={record.problem_id}")
     return Score(value)
 

@@ -228,7 +228,7 @@ def reward_module(tmp_path, monkeypatch):
                 raise RuntimeError("boom")
 
             def not_a_number(completion, record):
-                return {"A": float("nan"), "B": float("inf")}.get(completion, 1.0)
+                return {"A": float("nan"), "B": float("inf"), "D": 1e39}.get(completion, 1.0)
 
             NOT_CALLABLE = 3
             """
@@ -279,9 +279,9 @@ def test_a_reward_that_is_not_finite_scores_zero_and_is_counted(reward_module, c
     """A custom reward returning NaN or inf for a row scores that row 0 and counts it as an error: a
     NaN reward would reach every weight through the group's advantages."""
     with caplog.at_level(logging.ERROR, logger="rollplex.algo.rewards"):
-        result = compute_rewards(["A", "B", "C"], [MC_B] * 3, [f"{reward_module}:not_a_number"], None)
-    assert result.total.tolist() == [0.0, 0.0, 1.0] and bool(torch.isfinite(result.total).all())
-    assert result.errors == 2
+        result = compute_rewards(["A", "B", "C", "D"], [MC_B] * 4, [f"{reward_module}:not_a_number"], None)
+    assert result.total.tolist() == [0.0, 0.0, 1.0, 0.0] and bool(torch.isfinite(result.total).all())
+    assert result.errors == 3  # 1e39 is finite in Python but inf in float32
     assert any("returned nan" in r.getMessage() for r in caplog.records)
 
 

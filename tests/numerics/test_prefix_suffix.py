@@ -178,7 +178,9 @@ def _vision_setting_grads(model, setting: str, checkpointing: bool):
     got, _ = suffix_logprobs(m, prefix, responses, group_size=N, temperature=T, banned_ids=BANNED)
     _loss([got[b, : lens[b]] for b in range(len(lens))]).backward()
     hook.remove()
-    return _grads(m), any(graphs)
+    grads = _grads(m)
+    assert grads.keys() == {n for n, p in m.named_parameters() if p.requires_grad}  # none without a grad
+    return grads, any(graphs)
 
 
 def _has_graph(out) -> bool:
@@ -209,6 +211,7 @@ def test_b17_vision_settings_under_checkpointing(models):
     assert not any(n.startswith("model.visual.blocks") for n in merger)
     assert not any(n.startswith("model.visual") for n in frozen)
     for setting, grads in (("trainable", trainable), ("merger", merger)):
+        assert grads.keys() == plain[setting].keys()
         for name, g in grads.items():
             if name.startswith("model.visual"):
                 assert float(g.abs().max()) > 0, name
