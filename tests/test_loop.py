@@ -297,3 +297,38 @@ def test_a_gradient_that_is_not_finite_skips_the_update_and_saves_good_weights(
     with caplog.at_level(logging.INFO):
         train(_config(assets, run, 4, **{"run.save_every": 1, "run.keep_checkpoints": 3}), resume=True)
     assert "1 update skipped (gradient norm not finite)" in caplog.text  # the count survives a resume
+
+
+@pytest.mark.parametrize("schedule", ["serial", "rollplex"])
+def test_b04_rollout_reference_and_actor_read_the_same_vision_tensors(
+    assets, tmp_path, monkeypatch, schedule
+):
+    """B04: every prefix of a group (rollout, reference, actor) is computed from the very same grid,
+    pixel and second_per_grid_ts tensors, not from a recomputation: one step of each schedule, every
+    prefix call recorded."""
+    import rollplex.models.forward as forward
+    import rollplex.schedule.rollplex as rollplex_schedule
+
+    real, calls = forward.prefix_states, []
+
+    def spy(model, prompts, **options):
+        vision = [(p.pixel_values_videos, p.video_grid_thw, p.second_per_grid_ts) for p in prompts]
+        calls.append((model, options["attached"], [p.content_key for p in prompts], vision))
+        return real(model, prompts, **options)
+
+    monkeypatch.setattr(forward, "prefix_states", spy)
+    monkeypatch.setattr(rollplex_schedule, "prefix_states", spy)
+    extra = {"run.schedule": schedule, "run.prefill_fusion": schedule == "rollplex", "eval.every": 0}
+    train(_config(assets, tmp_path / "run", 1, **{**extra, "data.val_path": ""}))
+    seen: dict = {}
+    for model, attached, keys, vision in calls:
+        for key, tensors in zip(keys, vision, strict=True):
+            seen.setdefault(key, []).append((model, attached, tensors))
+    roles = 3 if schedule == "serial" else 2  # with fusion the actor's prefix also seeds rollout
+    assert len(seen) == 2 and all(len(uses) == roles for uses in seen.values())
+    for uses in seen.values():
+        assert len({id(model) for model, _, _ in uses}) == 2  # the actor's and the reference's
+        assert any(attached for _, attached, _ in uses) and any(not attached for _, attached, _ in uses)
+        first = uses[0][2]
+        assert all(t is not None for t in first)
+        assert all(all(a is b for a, b in zip(first, tensors, strict=True)) for _, _, tensors in uses)
