@@ -5,11 +5,25 @@
 # SCHEDULE_ROWS picks the rows of the schedule benchmark (default: rollplex bench schedule's default rows),
 # SCHEDULE_ARGS adds options (e.g. "--warmup 1 --steps 1"), SCHEDULE_NAME names its output files.
 # Wheels missing from the GPU image (PyAV, rouge-score, nltk) are installed from .whl/ when present.
+# Python: the python3 on PATH (activate the environment that has torch first).
 set -uo pipefail
+usage() { sed -n '2,8p' "$0" | sed 's/^# \{0,1\}//'; }
+stages=${*:-tests train prefix decode schedule}
+for stage in $stages; do
+  case $stage in
+    -h|--help) usage; exit 0 ;;
+    tests|train|prefix|decode|profile|schedule) ;;
+    *) echo "gpu_suite.sh: error: unknown stage '$stage' (expected tests, train, prefix, decode, schedule, profile)" >&2
+       exit 2 ;;
+  esac
+done
+if ! python3 -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)" 2>/dev/null; then
+  echo "gpu_suite.sh: error: needs a CUDA device visible to python3's torch, and none is" >&2
+  exit 2
+fi
 OUT=${OUT:-gpu-results}
 WORK=${WORK:-/tmp/rollplex-gpu}
 mkdir -p "$OUT" "$WORK"
-stages=${*:-tests train prefix decode schedule}
 if compgen -G ".whl/*.whl" >/dev/null; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
     && export PYTHONPATH=/tmp/site

@@ -49,3 +49,27 @@ def test_a_bad_argument_is_a_usage_error_before_anything_runs(script, args, monk
     path = next(p for p in SCRIPTS if p.name == script)
     assert _run(monkeypatch, path, args) == 2
     assert f"{args[0]!r} is not one of" in capsys.readouterr().err
+
+
+def _suite(*args: str):
+    import subprocess
+
+    suite = Path(__file__).resolve().parents[2] / "scripts" / "gpu_suite.sh"
+    env = {"PATH": f"{Path(sys.executable).parent}:/usr/bin:/bin"}  # this test's python3 (with torch)
+    return subprocess.run(["bash", str(suite), *args], capture_output=True, text=True, env=env, timeout=120)
+
+
+def test_gpu_suite_help_and_a_bad_stage_stop_before_anything_runs(tmp_path):
+    shown = _suite("--help")
+    assert shown.returncode == 0 and shown.stdout.startswith("GPU tests and benchmarks in one call.")
+    bad = _suite("tests", "tset")
+    assert bad.returncode == 2 and "unknown stage 'tset'" in bad.stderr
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the suite would run on this CUDA device")
+def test_gpu_suite_without_a_gpu_stops_with_one_line():
+    run = _suite("tests")
+    assert run.returncode == 2
+    assert run.stderr.strip().splitlines() == [
+        "gpu_suite.sh: error: needs a CUDA device visible to python3's torch, and none is"
+    ]
