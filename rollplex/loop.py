@@ -502,7 +502,7 @@ def _summary(run: Run, first: dict, last: dict, seconds: float) -> None:
         parts.append(f"held-out accuracy {last['val_accuracy']:.3f}")
     if "chance_accuracy" in last:
         parts.append(f"chance {last['chance_accuracy']:.3f}")
-    skipped = len(run.train.skipped) + run.malformed
+    skipped = last.get("skipped_samples", 0)  # _train_step's count
     if skipped:
         parts.append(f"{skipped} samples skipped")
     val_skipped = last.get("val_skipped_samples", 0)

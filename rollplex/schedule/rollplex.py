@@ -231,7 +231,8 @@ class RollplexSchedule:
 
     def __init__(self, cfg: Config, device: torch.device):
         self.policy = CoRunPolicy.from_config(cfg)
-        self.auto = cfg.run.schedule == "auto"
+        self.name = cfg.run.schedule  # "rollplex" or "auto" (schedule.make_step)
+        self.auto = self.name == "auto"
         self.trials: list[CoRunPolicy] = []
         self.timings: dict[CoRunPolicy, list[float]] = {}
         if self.auto:
@@ -269,7 +270,7 @@ class RollplexSchedule:
         """What the schedule has learned (for checkpoints): step count, policy, the trial plan and the
         trials' spans, standalone times."""
         return {
-            "schedule": "auto" if self.auto else "rollplex",
+            "schedule": self.name,
             "step_index": self.step_index,
             "policy": asdict(self.policy),
             "trials": [asdict(p) for p in self.trials],
@@ -286,7 +287,7 @@ class RollplexSchedule:
             ValueError: the state is of the other schedule (auto against rollplex): auto's trials are
                 indexed by step, so a run cannot switch between the two mid-way.
         """
-        saved, current = state.get("schedule"), "auto" if self.auto else "rollplex"
+        saved, current = state.get("schedule"), self.name
         if saved is not None and saved != current:
             raise ValueError(
                 f"run.schedule={current}, but the checkpoint's run used {saved}: resume with "
