@@ -118,6 +118,7 @@ WORKLOAD_FIELDS = (
     "dtype",
     "vision_attention",
     "vision_mlp_padding",
+    "compile_layers",
 )
 
 
@@ -187,6 +188,12 @@ def _add_workload_arguments(p: argparse.ArgumentParser) -> None:
         "--vision-mlp-padding",
         action=argparse.BooleanOptionalAction,
         help="vision MLP on zero-padded aligned weights (default on; model.vision_mlp_padding)",
+    )
+    p.add_argument(
+        "--compile-layers",
+        action=argparse.BooleanOptionalAction,
+        help="layers' norms, attention modules and MLPs compiled for the prefix, suffix and training passes "
+        "(default on, CUDA only; model.compile_layers)",
     )
     p.add_argument("--out", type=Path, help="write the results as JSON here")
 

@@ -144,6 +144,12 @@ class ModelConfig:
         "run the vision MLP on weights zero-padded to a 16-byte-aligned width (3420 -> 3424 in bf16), so "
         "cuBLAS uses its Hopper kernels; same values up to the products' rounding, same parameters",
     )
+    compile_layers: bool = _field(
+        True,
+        "run each layer's norms, attention module and MLP compiled by torch.compile for the prefix, suffix "
+        "and training passes (CUDA only; fused elementwise kernels, same values up to rounding; the first "
+        "steps compile)",
+    )
 
 
 @dataclass(kw_only=True)

@@ -58,12 +58,13 @@ def load_model(
     trainable: bool,
     vision_attention: str = "batched",
     vision_mlp_padding: bool = True,
+    compile_layers: bool = False,
 ):
     """A Qwen2.5-VL checkpoint folder as a model routed through rollplex attention (``prepare_model``)."""
     from transformers import Qwen2_5_VLForConditionalGeneration
 
     model = Qwen2_5_VLForConditionalGeneration.from_pretrained(path, dtype=dtype).to(device)
-    prepare_model(model, vision_attention, vision_mlp_padding)
+    prepare_model(model, vision_attention, vision_mlp_padding, compile_layers)
     model.train(False)
     model.requires_grad_(trainable)
     return model
@@ -151,6 +152,7 @@ def build_run(cfg: Config) -> Run:
     vision = {
         "vision_attention": cfg.model.vision_attention,
         "vision_mlp_padding": cfg.model.vision_mlp_padding,
+        "compile_layers": cfg.model.compile_layers and device.type == "cuda",
     }
     actor = load_model(cfg.model.path, dtype, device, trainable=True, **vision)
     if cfg.model.freeze_vision:

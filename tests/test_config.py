@@ -41,6 +41,7 @@ SPEC_DEFAULTS = {
         "gradient_checkpointing": False,
         "vision_attention": "batched",
         "vision_mlp_padding": True,
+        "compile_layers": True,
     },
     "data": {
         "train_path": "", "val_path": "", "data_root": "", "template": "video_r1", "max_prompt_tokens": 8192,

@@ -37,6 +37,7 @@ class Workload:
     dtype: str = "bfloat16"
     vision_attention: str = "batched"  # model.vision_attention
     vision_mlp_padding: bool = True  # model.vision_mlp_padding
+    compile_layers: bool = True  # model.compile_layers (CUDA only)
 
 
 def bench_device(preset: str) -> torch.device:
@@ -62,13 +63,15 @@ def random_model(
     seed: int = 0,
     vision_attention: str = "batched",
     vision_mlp_padding: bool = True,
+    compile_layers: bool = False,
 ):
     """Preset ``preset`` with random weights built directly on ``device``, routed through rollplex
-    attention (``prepare_model``), in inference mode (dropout off)."""
+    attention (``prepare_model``; ``compile_layers`` applies on CUDA only), in inference mode (dropout
+    off)."""
     from rollplex.models.presets import init_model
 
     model = init_model(preset, seed=seed, dtype=dtype, device=device)
-    prepare_model(model, vision_attention, vision_mlp_padding)
+    prepare_model(model, vision_attention, vision_mlp_padding, compile_layers and device.type == "cuda")
     model.train(False)
     return model
 
@@ -81,6 +84,7 @@ def workload_model(cfg: Workload, device: torch.device):
         getattr(torch, cfg.dtype),
         vision_attention=cfg.vision_attention,
         vision_mlp_padding=cfg.vision_mlp_padding,
+        compile_layers=cfg.compile_layers,
     )
 
 

@@ -14,8 +14,8 @@ Reported per role: median step time and peak device memory above the weights, an
 the suffix-pass peak memory for several N at fixed prompt length (it must grow with N·R, not N·P),
 and the bf16 agreement of the two ways' log-probs. The ``vision`` part times the prefix pass alone
 (vision tower + prompt prefill of every group; detached, and attached with backward) under each
-``model.vision_attention``, and batched without ``model.vision_mlp_padding``, side by side in one
-process.
+``model.vision_attention``, batched without ``model.vision_mlp_padding``, and batched with
+``model.compile_layers`` (on CUDA), side by side in one process.
 """
 
 from __future__ import annotations
@@ -162,7 +162,7 @@ def run_prefix_bench(cfg: PrefixBenchConfig, out: Path | None = None) -> PrefixB
         result.suffix_memory = _suffix_memory(model, prompts[0], cfg, banned, device)
     if "vision" in cfg.parts:
         result.vision_attention = _vision_attention(model, prompts, cfg, banned, device)
-        prepare_model(model, cfg.vision_attention, cfg.vision_mlp_padding)
+        prepare_model(model, cfg.vision_attention, cfg.vision_mlp_padding, _compiles(cfg, device))
     _print(result)
     if out is not None:
         out.parent.mkdir(parents=True, exist_ok=True)
@@ -247,20 +247,25 @@ def _prefix_pass(model, prompts, banned, attached: bool) -> None:
             torch.stack([t.float().mean() for t in state.keys + state.values]).sum().backward()
 
 
-VISION_ROWS = {  # row name: (model.vision_attention, model.vision_mlp_padding)
-    "per_chunk": ("per_chunk", True),
-    "batched-unpadded-mlp": ("batched", False),
-    "batched": ("batched", True),
+VISION_ROWS = {  # row name: (model.vision_attention, model.vision_mlp_padding, model.compile_layers)
+    "per_chunk": ("per_chunk", True, False),
+    "batched-unpadded-mlp": ("batched", False, False),
+    "batched": ("batched", True, False),
+    "batched-compiled": ("batched", True, True),
 }
 
 
+def _compiles(cfg: PrefixBenchConfig, device: torch.device) -> bool:
+    return cfg.compile_layers and device.type == "cuda"
+
+
 def _vision_attention(model, prompts, cfg, banned, device) -> dict:
-    """Seconds and peak GiB of the prefix pass under each ``model.vision_attention``, and batched without
-    ``model.vision_mlp_padding`` (VISION_ROWS), detached (reference, rollout) and attached with backward
+    """Seconds and peak GiB of the prefix pass under each ``model.vision_attention``, batched without
+    ``model.vision_mlp_padding`` and batched with ``model.compile_layers`` (VISION_ROWS), detached (reference, rollout) and attached with backward
     (actor); speedup = per_chunk / that row."""
     rows = {}
-    for mode, (attention, padding) in VISION_ROWS.items():
-        prepare_model(model, attention, padding)
+    for mode, (attention, padding, compiled) in VISION_ROWS.items():
+        prepare_model(model, attention, padding, compiled and device.type == "cuda")
         for role, attached in (("reference", False), ("actor", True)):
             with torch.enable_grad() if attached else torch.no_grad():
                 seconds, peak, _ = _measure(

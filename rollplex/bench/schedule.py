@@ -13,6 +13,10 @@ Rows (each from the same initial weights and optimizer state, same prompts and s
     both-green            both, the reference prefix's kernels on a green context of half the SMs
                           (rounded up by the driver: 72 of 132 on an H200) while decode runs, one
                           group per chunk (the chunks after decode get every SM)
+    serial-eager          serial, the layers' norms, attention modules and MLPs as transformers runs
+                          them (model.compile_layers off; every other row runs them compiled unless
+                          --no-compile-layers)
+    both-eager            both, likewise
 
 Warm-up iterations (allocator growth, graph capture, compilation, and auto's policy trials) are
 discarded; the table gives the median step time and its spread, the speedup over serial, the Phase-1
@@ -36,7 +40,7 @@ import torch
 from rollplex.bench.common import PromptShape, Workload, bench_device, synthetic_prompt, workload_model
 from rollplex.bench.decode import copy_bandwidth, step_bytes
 from rollplex.config import load_config
-from rollplex.models.forward import enable_checkpointing
+from rollplex.models.forward import enable_checkpointing, prepare_model
 from rollplex.observe.metrics import PhaseTimer
 from rollplex.optim import MasterWeightAdamW
 from rollplex.phases import Roles
@@ -54,6 +58,8 @@ ROWS = {
     "both-chunked": {**_BOTH, "run.prefix_chunk_groups": 1},
     "both-carveout": {**_BOTH, "run.prefix_sm_carveout": "half"},
     "both-green": {**_BOTH, "run.prefix_sms": "half", "run.prefix_chunk_groups": 1},
+    "serial-eager": {"run.schedule": "serial", "model.compile_layers": False},
+    "both-eager": {**_BOTH, "model.compile_layers": False},
 }
 MAIN_ROWS = ("serial", "overlap", "fusion", "both", "auto")
 
@@ -124,11 +130,15 @@ class _Workload:
             "rollout.fused_projections": cfg.fused_projections,
             "rollout.fused_sampling": cfg.fused_sampling,
             "rollout.fused_gate": cfg.fused_gate,
+            "model.compile_layers": cfg.compile_layers,
             **{k: self.sms // 2 if v == "half" else v for k, v in overrides.items()},
         }
         config = load_config(
             None, [f"{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in items.items()]
         )
+        compiled = config.model.compile_layers and self.device.type == "cuda"
+        for model in (self.actor, self.reference):
+            prepare_model(model, cfg.vision_attention, cfg.vision_mlp_padding, compiled)
         optimizer = MasterWeightAdamW.for_model(self.actor, config.optim)
         sampling = SamplingParams.from_config(config.rollout, (self.eos,), self.eos, self.banned)
         generator = torch.Generator(device=self.device).manual_seed(0)

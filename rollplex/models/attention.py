@@ -413,8 +413,14 @@ def _chunk_sdpa(q, k, v, chunks: int, length: int, scaling: float | None, dropou
 
 def register() -> None:
     """Register :func:`rollplex_attention` under ``ATTENTION_NAME`` and :func:`chunked_attention` under
-    ``VISION_ATTENTION_NAME`` (idempotent)."""
+    ``VISION_ATTENTION_NAME`` (idempotent). Both are opaque to torch.compile (a graph break around each
+    call when the attention modules run compiled, models.compiled): their plans hold Python state and
+    the chunk plans read boundaries back to the host."""
     from transformers import AttentionInterface
 
-    AttentionInterface.register(ATTENTION_NAME, rollplex_attention)
-    AttentionInterface.register(VISION_ATTENTION_NAME, chunked_attention)
+    AttentionInterface.register(ATTENTION_NAME, _OPAQUE_TEXT)
+    AttentionInterface.register(VISION_ATTENTION_NAME, _OPAQUE_VISION)
+
+
+_OPAQUE_TEXT = torch.compiler.disable(rollplex_attention)
+_OPAQUE_VISION = torch.compiler.disable(chunked_attention)

@@ -30,14 +30,15 @@ def test_tiny_bench_runs_and_agrees(tmp_path):
 
 
 def test_vision_part_times_every_row(tmp_path):
-    """Both attention modes, and batched without the padded MLP (VISION_ROWS)."""
+    """Both attention modes, batched without the padded MLP, and batched compiled (VISION_ROWS)."""
     cfg = PrefixBenchConfig(
         preset="tiny", groups=2, group_size=2, response_tokens=4, text_tokens=12, grid=(2, 4, 4),
         dtype="float32", parts=("vision",),
     )  # fmt: skip
     result = run_prefix_bench(cfg, tmp_path / "out.json")
-    assert {mode for mode, _ in VISION_ROWS.values()} == set(VISION_ATTENTION)
-    assert {padding for _, padding in VISION_ROWS.values()} == {True, False}
+    assert {mode for mode, _, _ in VISION_ROWS.values()} == set(VISION_ATTENTION)
+    assert {padding for _, padding, _ in VISION_ROWS.values()} == {True, False}
+    assert {compiled for _, _, compiled in VISION_ROWS.values()} == {True, False}
     assert set(result.vision_attention) == {f"{r}/{m}" for r in ("reference", "actor") for m in VISION_ROWS}
     assert all(row["seconds"] > 0 for row in result.vision_attention.values())
 

@@ -1,0 +1,158 @@
+"""Regional compilation of the layers (models.compiled) against the eager modules.
+
+CPU: the ``aot_eager`` backend (traced, run by the eager kernels) checks the wiring in float64: which
+modules run compiled, log-probs bitwise, gradients through activation checkpointing, a deep copy running
+its own weights, switching off and following the vision MLP's class. CUDA (skipped without it):
+inductor's fused kernels against the eager model's full-sequence forward (the oracle), float64 and bf16.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+
+import pytest
+import torch
+from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+
+from rollplex.models.compiled import _MARK, set_layer_compilation
+from rollplex.models.forward import enable_checkpointing, prefix_forward, prepare_model, suffix_logprobs
+from rollplex.models.vision_mlp import PaddedVisionMLP
+from tests.numerics.conftest import BANNED, make_prompt, tiny_config
+
+N, T = 3, 0.7
+TEXT_LAYERS, VISION_BLOCKS = 3, 3
+
+
+def _model(dtype=torch.float64):
+    """A tiny Qwen2.5-VL with more layers than the compile cache's default limit of variants would
+    serve, random weights, checkpointing on."""
+    config = tiny_config().to_dict()
+    config["text_config"]["num_hidden_layers"] = TEXT_LAYERS
+    config["text_config"].pop("layer_types", None)
+    config["vision_config"]["depth"] = VISION_BLOCKS
+    config["vision_config"]["fullatt_block_indexes"] = [2]
+    config = Qwen2_5_VLConfig(**config)
+    for c in (config, config.text_config, config.vision_config):
+        c._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    model = Qwen2_5_VLForConditionalGeneration(config).to(dtype)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0.0, 0.2)
+    prepare_model(model)
+    enable_checkpointing(model)
+    return model
+
+
+def _batch(device="cpu", dtype=torch.float64):
+    prompts = [
+        make_prompt([4, 3], [("image", (1, 4, 6), 0.0)], seed=1),
+        make_prompt([3, 2], [("video", (4, 4, 4), 0.5)], seed=2),
+    ]
+    for p in prompts:
+        for name in ("pixel_values", "pixel_values_videos"):
+            if getattr(p, name) is not None:
+                setattr(p, name, getattr(p, name).to(device, dtype))
+    responses = torch.randint(3, 150, (len(prompts) * N, 5), generator=torch.Generator().manual_seed(5))
+    return prompts, responses.to(device)
+
+
+def _score(model, prompts, responses, attached: bool) -> torch.Tensor:
+    prefix = prefix_forward(model, prompts, temperature=T, banned_ids=BANNED, attached=attached)
+    return suffix_logprobs(model, prefix, responses, group_size=N, temperature=T, banned_ids=BANNED)[0]
+
+
+def _run(model, prompts, responses):
+    """(detached log-probs, attached log-probs, gradients of a weighted sum of the attached ones)."""
+    model.zero_grad(set_to_none=True)
+    with torch.no_grad():
+        detached = _score(model, prompts, responses, attached=False)
+    attached = _score(model, prompts, responses, attached=True)
+    weights = torch.linspace(-1.0, 1.5, attached.numel(), dtype=attached.dtype, device=attached.device)
+    (attached.flatten() * weights).sum().backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    return detached, attached.detach(), grads
+
+
+def _compiled_modules(model) -> list:
+    return [m for m in model.modules() if getattr(m, _MARK, False)]
+
+
+def test_compiled_layers_trace_the_same_arithmetic(caplog):
+    eager = _model()
+    compiled = copy.deepcopy(eager)
+    assert set_layer_compilation(compiled, True, backend="aot_eager") == 4 * (TEXT_LAYERS + VISION_BLOCKS)
+    prompts, responses = _batch()
+    want = _run(eager, prompts, responses)
+    with caplog.at_level(logging.WARNING, logger="torch._dynamo"):
+        got = _run(compiled, prompts, responses)
+        got = _run(compiled, prompts, responses)  # served from the compile cache
+    assert not [r for r in caplog.records if "recompile_limit" in r.getMessage()]
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    assert got[2].keys() == want[2].keys()
+    assert any(name.startswith("model.visual.blocks.0.mlp") for name in want[2])
+    for name, grad in want[2].items():  # traced backward formulas may sum in another order
+        assert float((got[2][name] - grad).norm() / grad.norm()) <= 1e-12, name
+
+
+def test_deep_copy_runs_its_own_weights():
+    """The compiled forwards are bound methods: a copy's modules call themselves, not the original's."""
+    original = _model()
+    set_layer_compilation(original, True, backend="aot_eager")
+    clone = copy.deepcopy(original)
+    assert all(m.forward.__self__ is m for m in _compiled_modules(clone))
+    reference = copy.deepcopy(original)
+    set_layer_compilation(reference, False)
+    with torch.no_grad():
+        for model in (clone, reference):
+            for p in model.parameters():
+                p.mul_(1.25)
+    prompts, responses = _batch()
+    with torch.no_grad():
+        got = _score(clone, prompts, responses, attached=False)
+        want = _score(reference, prompts, responses, attached=False)
+        before = _score(original, prompts, responses, attached=False)
+    assert torch.equal(got, want)
+    assert not torch.equal(got, before)
+
+
+def test_switching_off_and_following_the_mlp_class():
+    model = _model()
+    prepare_model(model, compile_layers=True)
+    mlp = model.model.visual.blocks[0].mlp
+    assert type(mlp) is PaddedVisionMLP
+    assert mlp.forward.__func__._torchdynamo_orig_callable is PaddedVisionMLP.forward
+    prepare_model(model, vision_mlp_padding=False, compile_layers=True)
+    assert mlp.forward.__func__._torchdynamo_orig_callable is type(mlp).forward
+    assert type(mlp) is not PaddedVisionMLP
+    prepare_model(model)
+    assert not _compiled_modules(model)
+    assert all("forward" not in vars(m) for m in model.modules())
+
+
+def test_a_layer_without_its_modules_is_refused():
+    model = _model()
+    del model.model.language_model.layers[1].mlp
+    with pytest.raises(ValueError, match="has no 'mlp'"):
+        set_layer_compilation(model, True, backend="aot_eager")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize(
+    ("dtype", "lp_tol", "grad_tol"), [(torch.float64, 1e-6, 1e-5), (torch.bfloat16, 0.1, 0.1)]
+)
+def test_inductor_layers_match_the_eager_model_on_cuda(dtype, lp_tol, grad_tol):
+    """Inductor's kernels round the float32 norms in another order: float64 agrees to float32 rounding;
+    bf16 within the rollout-vs-trainer tolerance of tests/numerics."""
+    eager = _model().to("cuda", dtype)
+    compiled = copy.deepcopy(eager)
+    set_layer_compilation(compiled, True)
+    prompts, responses = _batch("cuda", dtype)
+    want, got = _run(eager, prompts, responses), _run(compiled, prompts, responses)
+    for g, w in zip(got[:2], want[:2], strict=True):
+        assert float((g.double() - w.double()).abs().max()) <= lp_tol
+    for name, grad in want[2].items():
+        rel = (got[2][name].double() - grad.double()).norm() / grad.double().norm()
+        assert float(rel) <= grad_tol, name
