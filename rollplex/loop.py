@@ -39,6 +39,7 @@ from rollplex.data.encode import PromptBuilder
 from rollplex.data.loader import PromptSource
 from rollplex.data.records import load_records
 from rollplex.data.vision import ImageSampling, VideoSampling
+from rollplex.models.compiled import compiles_layers
 from rollplex.models.forward import enable_checkpointing, prepare_model
 from rollplex.models.positions import VisionTokens
 from rollplex.observe.metrics import MetricsWriter, PhaseTimer, ProgressBar, write_chrome_trace
@@ -152,7 +153,7 @@ def build_run(cfg: Config) -> Run:
     vision = {
         "vision_attention": cfg.model.vision_attention,
         "vision_mlp_padding": cfg.model.vision_mlp_padding,
-        "compile_layers": cfg.model.compile_layers and device.type == "cuda",
+        "compile_layers": compiles_layers(cfg.model.compile_layers, device),
     }
     actor = load_model(cfg.model.path, dtype, device, trainable=True, **vision)
     if cfg.model.freeze_vision:

@@ -15,7 +15,8 @@ from safetensors.torch import load_file
 from rollplex.config import load_config
 from rollplex.data.records import DatasetError
 from rollplex.data.synth import generate_dataset
-from rollplex.loop import train
+from rollplex.loop import build_run, train
+from rollplex.models.compiled import layers_compiled
 from rollplex.models.presets import init_checkpoint
 
 
@@ -332,3 +333,16 @@ def test_b04_rollout_reference_and_actor_read_the_same_vision_tensors(
         first = uses[0][2]
         assert all(t is not None for t in first)
         assert all(all(a is b for a, b in zip(first, tensors, strict=True)) for _, _, tensors in uses)
+
+
+@pytest.mark.parametrize("requested", [True, False])
+def test_model_compile_layers_reaches_both_models(assets, tmp_path, monkeypatch, requested):
+    """``model.compile_layers`` compiles the actor's and the reference's layers where it applies (the
+    CUDA-only gate passed through here, so the CPU shows the wiring; nothing runs, nothing compiles)."""
+    monkeypatch.setattr("rollplex.loop.compiles_layers", lambda flag, device: flag)
+    cfg = _config(
+        assets, tmp_path, 1, **{"algo.kl_coef": 0.05, "model.compile_layers": str(requested).lower()}
+    )
+    run = build_run(cfg)
+    assert layers_compiled(run.roles.actor) is requested
+    assert layers_compiled(run.roles.reference) is requested

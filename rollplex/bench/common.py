@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
+from rollplex.models.compiled import compiles_layers
 from rollplex.models.forward import prepare_model
 from rollplex.models.positions import VisionTokens, rope_positions
 from rollplex.types import Prompt, Record
@@ -71,7 +72,7 @@ def random_model(
     from rollplex.models.presets import init_model
 
     model = init_model(preset, seed=seed, dtype=dtype, device=device)
-    prepare_model(model, vision_attention, vision_mlp_padding, compile_layers and device.type == "cuda")
+    prepare_model(model, vision_attention, vision_mlp_padding, compiles_layers(compile_layers, device))
     model.train(False)
     return model
 

@@ -39,6 +39,7 @@ from rollplex.bench.common import (
     workload_model,
 )
 from rollplex.models.attention import PrefixPlan
+from rollplex.models.compiled import compiles_layers
 from rollplex.models.forward import (
     _decoder,
     _token_logprobs_chunked,
@@ -162,7 +163,9 @@ def run_prefix_bench(cfg: PrefixBenchConfig, out: Path | None = None) -> PrefixB
         result.suffix_memory = _suffix_memory(model, prompts[0], cfg, banned, device)
     if "vision" in cfg.parts:
         result.vision_attention = _vision_attention(model, prompts, cfg, banned, device)
-        prepare_model(model, cfg.vision_attention, cfg.vision_mlp_padding, _compiles(cfg, device))
+        prepare_model(
+            model, cfg.vision_attention, cfg.vision_mlp_padding, compiles_layers(cfg.compile_layers, device)
+        )
     _print(result)
     if out is not None:
         out.parent.mkdir(parents=True, exist_ok=True)
@@ -255,17 +258,14 @@ VISION_ROWS = {  # row name: (model.vision_attention, model.vision_mlp_padding, 
 }
 
 
-def _compiles(cfg: PrefixBenchConfig, device: torch.device) -> bool:
-    return cfg.compile_layers and device.type == "cuda"
-
-
 def _vision_attention(model, prompts, cfg, banned, device) -> dict:
     """Seconds and peak GiB of the prefix pass under each ``model.vision_attention``, batched without
-    ``model.vision_mlp_padding`` and batched with ``model.compile_layers`` (VISION_ROWS), detached (reference, rollout) and attached with backward
-    (actor); speedup = per_chunk / that row."""
+    ``model.vision_mlp_padding`` and batched with ``model.compile_layers`` (VISION_ROWS; compiled on
+    CUDA only, so on a CPU that row runs eagerly), detached (reference, rollout) and attached with
+    backward (actor); speedup = per_chunk / that row."""
     rows = {}
     for mode, (attention, padding, compiled) in VISION_ROWS.items():
-        prepare_model(model, attention, padding, compiled and device.type == "cuda")
+        prepare_model(model, attention, padding, compiles_layers(compiled, device))
         for role, attached in (("reference", False), ("actor", True)):
             with torch.enable_grad() if attached else torch.no_grad():
                 seconds, peak, _ = _measure(

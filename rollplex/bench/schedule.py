@@ -40,6 +40,7 @@ import torch
 from rollplex.bench.common import PromptShape, Workload, bench_device, synthetic_prompt, workload_model
 from rollplex.bench.decode import copy_bandwidth, step_bytes
 from rollplex.config import load_config
+from rollplex.models.compiled import compiles_layers
 from rollplex.models.forward import enable_checkpointing, prepare_model
 from rollplex.observe.metrics import PhaseTimer
 from rollplex.optim import MasterWeightAdamW
@@ -136,7 +137,7 @@ class _Workload:
         config = load_config(
             None, [f"{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in items.items()]
         )
-        compiled = config.model.compile_layers and self.device.type == "cuda"
+        compiled = compiles_layers(config.model.compile_layers, self.device)
         for model in (self.actor, self.reference):
             prepare_model(model, cfg.vision_attention, cfg.vision_mlp_padding, compiled)
         optimizer = MasterWeightAdamW.for_model(self.actor, config.optim)

@@ -411,6 +411,11 @@ def _chunk_sdpa(q, k, v, chunks: int, length: int, scaling: float | None, dropou
     return out.transpose(1, 2).reshape(chunks * length, heads, dim)
 
 
+# opaque to torch.compile (see register)
+_OPAQUE_TEXT = torch.compiler.disable(rollplex_attention)
+_OPAQUE_VISION = torch.compiler.disable(chunked_attention)
+
+
 def register() -> None:
     """Register :func:`rollplex_attention` under ``ATTENTION_NAME`` and :func:`chunked_attention` under
     ``VISION_ATTENTION_NAME`` (idempotent). Both are opaque to torch.compile (a graph break around each
@@ -420,7 +425,3 @@ def register() -> None:
 
     AttentionInterface.register(ATTENTION_NAME, _OPAQUE_TEXT)
     AttentionInterface.register(VISION_ATTENTION_NAME, _OPAQUE_VISION)
-
-
-_OPAQUE_TEXT = torch.compiler.disable(rollplex_attention)
-_OPAQUE_VISION = torch.compiler.disable(chunked_attention)

@@ -3,8 +3,8 @@ torch.compile'd functions, so their elementwise work (RMSNorm in float32, RoPE, 
 dtype casts) is fused into a few kernels instead of one kernel per operator.
 
 Why: a kernel profile of one serial GRPO step of the 3B benchmark workload (docs/benchmarks.md) found
-3.6 s of the 12.0 s of device time in eager elementwise kernels (``aten::mul`` alone 44,004 calls,
-1.44 s), launched one by one from the host: the prefix and suffix passes of the reference and the
+up to 3.6 s of the 12.0 s of device time in eager elementwise kernels (``aten::mul`` alone 44,004
+calls, 1.44 s), launched one by one from the host: the prefix and suffix passes of the reference and the
 actor, their backward and activation-checkpointing's recompute.
 
 What is compiled (PyTorch's "regional compilation": one compiled function per repeated module class,
@@ -30,13 +30,20 @@ import types
 
 import torch
 
-_MARK = "_rollplex_compiled"
+_MARK = "_rollplex_compiled"  # on a module: the compiled function its instance ``forward`` is bound to
 _TEXT_PARTS = ("input_layernorm", "self_attn", "post_attention_layernorm", "mlp")
 _VISION_PARTS = ("norm1", "attn", "norm2", "mlp")
-# Variants per compiled function: text or vision rank × batch of 1 or more × grad mode × dtype, and the
-# checkpoint recompute; torch's default of 8 would leave the rest running eagerly.
+# Cache entries per compiled function, e.g. for the RMSNorm: rank 2 (vision) or 3 (text) × batch 1 or
+# more × grad mode and inputs requiring grad × prefix or suffix pass (17 measured on the CPU, whatever
+# the number of layers); torch's default of 8 would leave the rest running eagerly, with one warning.
 RECOMPILE_LIMIT = 64
 _cache: dict[tuple, object] = {}
+
+
+def compiles_layers(requested: bool, device: torch.device) -> bool:
+    """Whether ``model.compile_layers`` (``requested``) applies on ``device``: CUDA only (on the CPU,
+    inductor would need a C++ toolchain and minutes of compilation for the tiny test models)."""
+    return requested and device.type == "cuda"
 
 
 def _compiled(forward, backend: str):
@@ -47,12 +54,36 @@ def _compiled(forward, backend: str):
     return _cache[key]
 
 
-def _layer_parts(model):
-    """(module, part names) of every decoder layer and vision block of a Qwen2.5-VL model."""
-    for layer in model.model.language_model.layers:
-        yield layer, _TEXT_PARTS
-    for block in model.model.visual.blocks:
-        yield block, _VISION_PARTS
+def _targets(model) -> list[torch.nn.Module]:
+    """The norms, attention modules and MLPs of every decoder layer and vision block of ``model``.
+
+    Raises:
+        ValueError: ``model`` is not a Qwen2.5-VL model (a layer or a part of one is missing).
+    """
+    try:
+        layers = [(layer, _TEXT_PARTS) for layer in model.model.language_model.layers]
+        layers += [(block, _VISION_PARTS) for block in model.model.visual.blocks]
+    except AttributeError as err:
+        raise ValueError(f"{type(model).__name__} is not a Qwen2.5-VL model: {err}") from None
+    modules = []
+    for owner, parts in layers:
+        for name in parts:
+            module = getattr(owner, name, None)
+            if module is None:
+                raise ValueError(f"{type(owner).__name__} has no {name!r}: not a Qwen2.5-VL layer")
+            modules.append(module)
+    return modules
+
+
+def _own_forward(module) -> bool:
+    """Whether ``module``'s instance ``forward`` is the compiled one installed here (False: none)."""
+    forward, mark = vars(module).get("forward"), getattr(module, _MARK, None)
+    return mark is not None and getattr(forward, "__func__", None) is mark
+
+
+def layers_compiled(model) -> bool:
+    """Whether ``set_layer_compilation`` has installed compiled forwards on ``model``."""
+    return any(_own_forward(m) for m in _targets(model))
 
 
 def set_layer_compilation(model, on: bool, backend: str = "inductor") -> int:
@@ -61,26 +92,37 @@ def set_layer_compilation(model, on: bool, backend: str = "inductor") -> int:
     again recompiles for the modules' current classes (models.vision_mlp swaps the vision MLP's class).
 
     Args:
+        model: a transformers ``Qwen2_5_VLForConditionalGeneration``.
+        on: install the compiled forwards (True) or remove those installed here (False; an instance
+            ``forward`` of another origin is left as it is).
         backend: torch.compile backend: ``inductor`` (fused kernels) or ``aot_eager`` (traced, run by
-            the eager kernels: the same numbers bitwise; for tests).
+            the eager kernels; for tests).
 
     Raises:
-        ValueError: a module named by the layer layout is missing (not a Qwen2.5-VL model).
+        ValueError: ``model`` is not a Qwen2.5-VL model, or, turning it on, a module has an instance
+            ``forward`` that was not installed here (another patch or hook library; it would be
+            overwritten). Nothing is changed then.
+
+    Turning it on raises torch's process-wide ``torch._dynamo.config.recompile_limit`` to at least
+    ``RECOMPILE_LIMIT`` (it applies to every compiled function of the process, decode's included).
     """
-    count = 0
+    modules = _targets(model)
+    foreign = [m for m in modules if "forward" in vars(m) and not _own_forward(m)]
+    if on and foreign:
+        raise ValueError(
+            f"{len(foreign)} layer modules (the first a {type(foreign[0]).__name__}) already have an "
+            "instance forward that compiling the layers would overwrite"
+        )
     if on:
         limit = torch._dynamo.config.recompile_limit
         torch._dynamo.config.recompile_limit = max(limit, RECOMPILE_LIMIT)
-    for owner, parts in _layer_parts(model):
-        for name in parts:
-            module = getattr(owner, name, None)
-            if module is None:
-                raise ValueError(f"{type(owner).__name__} has no {name!r}: not a Qwen2.5-VL layer")
-            if getattr(module, _MARK, False):
-                del module.forward  # back to the class's forward
-                delattr(module, _MARK)
-            if on:
-                module.forward = types.MethodType(_compiled(type(module).forward, backend), module)
-                setattr(module, _MARK, True)
-                count += 1
-    return count
+    for module in modules:
+        if _own_forward(module):
+            del module.forward  # back to the class's forward
+        if getattr(module, _MARK, None) is not None:
+            delattr(module, _MARK)
+        if on:
+            compiled = _compiled(type(module).forward, backend)
+            module.forward = types.MethodType(compiled, module)
+            setattr(module, _MARK, compiled)
+    return len(modules) if on else 0

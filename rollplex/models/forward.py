@@ -31,7 +31,7 @@ from rollplex.models.attention import (
     suffix_block_mask,
     suffix_bool_mask,
 )
-from rollplex.models.compiled import set_layer_compilation
+from rollplex.models.compiled import layers_compiled, set_layer_compilation
 from rollplex.models.positions import response_positions
 from rollplex.models.vision_mlp import set_vision_mlp_padding
 from rollplex.observe.metrics import profiled
@@ -41,14 +41,17 @@ from rollplex.types import PrefixState, Prompt
 
 
 def prepare_model(
-    model, vision_attention: str = "batched", vision_mlp_padding: bool = True, compile_layers: bool = False
+    model,
+    vision_attention: str = "batched",
+    vision_mlp_padding: bool = True,
+    compile_layers: bool | None = None,
 ) -> None:
     """Route the language model's attention through rollplex; the vision tower's windows and frames
     through ``models.attention.chunked_attention``, one SDPA call per distinct chunk length
     (``batched``), or through the backend transformers chose when the model was built, one call per
     chunk (``per_chunk``); with ``vision_mlp_padding``, the vision blocks' MLP on zero-padded weights
     (models.vision_mlp); with ``compile_layers``, each layer's norms, attention module and MLP
-    compiled (models.compiled). Calling it again switches between these.
+    compiled (models.compiled; None keeps the model as it is). Calling it again switches between these.
 
     Raises:
         ValueError: an unknown ``vision_attention``.
@@ -65,7 +68,8 @@ def prepare_model(
     model.config.vision_config._attn_implementation = name
     visual._attn_implementation = name
     set_vision_mlp_padding(model, vision_mlp_padding)
-    set_layer_compilation(model, compile_layers)
+    compiled = layers_compiled(model) if compile_layers is None else compile_layers
+    set_layer_compilation(model, compiled)  # again after a vision MLP class swap
 
 
 def enable_checkpointing(model) -> None:

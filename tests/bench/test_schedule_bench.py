@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
-from rollplex.bench.schedule import ROWS, ScheduleBenchConfig, run_schedule_bench
+from rollplex.bench.schedule import ROWS, ScheduleBenchConfig, _Workload, run_schedule_bench
+from rollplex.models.compiled import layers_compiled
 
 
 def test_rows_reach_the_same_parameters(tmp_path):
@@ -36,3 +38,16 @@ def test_rows_reach_the_same_parameters(tmp_path):
 def test_unknown_row_is_named():
     with pytest.raises(ValueError, match="unknown schedule rows"):
         run_schedule_bench(ScheduleBenchConfig(preset="tiny", rows=("serial", "magic")))
+
+
+def test_eager_rows_run_the_layers_uncompiled(monkeypatch):
+    """serial-eager turns ``model.compile_layers`` off for both models; the other rows leave it to the
+    workload (the CUDA-only gate passed through here, so the CPU shows the wiring without compiling)."""
+    monkeypatch.setattr("rollplex.bench.schedule.compiles_layers", lambda flag, device: flag)
+    cfg = ScheduleBenchConfig(
+        preset="tiny", groups=1, group_size=2, text_tokens=8, grid=(2, 4, 4), dtype="float32"
+    )
+    work = _Workload(cfg, torch.device("cpu"))
+    for row, compiled in (("serial", True), ("serial-eager", False), ("both", True), ("both-eager", False)):
+        work.roles(ROWS[row], cfg)
+        assert layers_compiled(work.actor) is compiled and layers_compiled(work.reference) is compiled, row

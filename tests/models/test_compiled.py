@@ -13,9 +13,11 @@ import logging
 
 import pytest
 import torch
+from torch._dynamo.backends.registry import lookup_backend
 from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
 
-from rollplex.models.compiled import _MARK, set_layer_compilation
+from rollplex.models.attention import ATTENTION_NAME, VISION_ATTENTION_NAME
+from rollplex.models.compiled import compiles_layers, layers_compiled, set_layer_compilation
 from rollplex.models.forward import enable_checkpointing, prefix_forward, prepare_model, suffix_logprobs
 from rollplex.models.vision_mlp import PaddedVisionMLP
 from tests.numerics.conftest import BANNED, make_prompt, tiny_config
@@ -25,8 +27,7 @@ TEXT_LAYERS, VISION_BLOCKS = 3, 3
 
 
 def _model(dtype=torch.float64):
-    """A tiny Qwen2.5-VL with more layers than the compile cache's default limit of variants would
-    serve, random weights, checkpointing on."""
+    """A tiny Qwen2.5-VL with several layers per compiled function, random weights, checkpointing on."""
     config = tiny_config().to_dict()
     config["text_config"]["num_hidden_layers"] = TEXT_LAYERS
     config["text_config"].pop("layer_types", None)
@@ -76,24 +77,51 @@ def _run(model, prompts, responses):
 
 
 def _compiled_modules(model) -> list:
-    return [m for m in model.modules() if getattr(m, _MARK, False)]
+    return [m for m in model.modules() if "forward" in vars(m)]
 
 
 def test_compiled_layers_trace_the_same_arithmetic(caplog):
+    """Every compiled function really compiles (graphs counted), its variants (17 for the RMSNorm: rank,
+    batch, grad mode, prefix or suffix pass) fit the raised recompile limit, and the numbers are the
+    eager ones."""
+    graphs = []
+
+    def counting(gm, inputs):
+        graphs.append(gm)
+        return lookup_backend("aot_eager")(gm, inputs)
+
     eager = _model()
     compiled = copy.deepcopy(eager)
-    assert set_layer_compilation(compiled, True, backend="aot_eager") == 4 * (TEXT_LAYERS + VISION_BLOCKS)
+    assert set_layer_compilation(compiled, True, backend=counting) == 4 * (TEXT_LAYERS + VISION_BLOCKS)
+    assert layers_compiled(compiled) and not layers_compiled(eager)
     prompts, responses = _batch()
     want = _run(eager, prompts, responses)
     with caplog.at_level(logging.WARNING, logger="torch._dynamo"):
         got = _run(compiled, prompts, responses)
-        got = _run(compiled, prompts, responses)  # served from the compile cache
+        first = len(graphs)
+        got = _run(compiled, prompts, responses)
+    assert first > 0 and len(graphs) == first  # the second pass is served from the compile cache
     assert not [r for r in caplog.records if "recompile_limit" in r.getMessage()]
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
     assert got[2].keys() == want[2].keys()
     assert any(name.startswith("model.visual.blocks.0.mlp") for name in want[2])
     for name, grad in want[2].items():  # traced backward formulas may sum in another order
         assert float((got[2][name] - grad).norm() / grad.norm()) <= 1e-12, name
+
+
+def test_attention_functions_are_opaque_to_torch_compile():
+    """Their plans hold Python state: traced into a compiled graph they would be baked in."""
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    prepare_model(_model())
+    for name in (ATTENTION_NAME, VISION_ATTENTION_NAME):
+        assert getattr(ALL_ATTENTION_FUNCTIONS[name], "_torchdynamo_disable", False), name
+
+
+def test_layers_compile_on_cuda_only():
+    assert compiles_layers(True, torch.device("cuda"))
+    assert not compiles_layers(True, torch.device("cpu"))
+    assert not compiles_layers(False, torch.device("cuda"))
 
 
 def test_deep_copy_runs_its_own_weights():
@@ -120,15 +148,31 @@ def test_deep_copy_runs_its_own_weights():
 def test_switching_off_and_following_the_mlp_class():
     model = _model()
     prepare_model(model, compile_layers=True)
+    prepare_model(model, vision_attention="per_chunk")  # None: stays compiled
+    assert layers_compiled(model)
     mlp = model.model.visual.blocks[0].mlp
     assert type(mlp) is PaddedVisionMLP
     assert mlp.forward.__func__._torchdynamo_orig_callable is PaddedVisionMLP.forward
     prepare_model(model, vision_mlp_padding=False, compile_layers=True)
     assert mlp.forward.__func__._torchdynamo_orig_callable is type(mlp).forward
     assert type(mlp) is not PaddedVisionMLP
-    prepare_model(model)
-    assert not _compiled_modules(model)
-    assert all("forward" not in vars(m) for m in model.modules())
+    prepare_model(model, compile_layers=False)
+    assert not _compiled_modules(model) and not layers_compiled(model)
+
+
+def test_another_instance_forward_is_not_overwritten():
+    model = _model()
+    norm = model.model.language_model.layers[0].input_layernorm
+    norm.forward = lambda hidden: hidden
+    with pytest.raises(ValueError, match="already have an instance forward"):
+        set_layer_compilation(model, True, backend="aot_eager")
+    assert not layers_compiled(model)  # nothing was installed
+    del norm.forward
+    set_layer_compilation(model, True, backend="aot_eager")
+    replaced = norm.forward = lambda hidden: hidden  # replaced after compiling: not removed as ours
+    set_layer_compilation(model, False)
+    assert norm.forward is replaced and not layers_compiled(model)
+    assert len(_compiled_modules(model)) == 1
 
 
 def test_a_layer_without_its_modules_is_refused():
@@ -136,6 +180,9 @@ def test_a_layer_without_its_modules_is_refused():
     del model.model.language_model.layers[1].mlp
     with pytest.raises(ValueError, match="has no 'mlp'"):
         set_layer_compilation(model, True, backend="aot_eager")
+    assert not _compiled_modules(model)  # nothing was installed
+    with pytest.raises(ValueError, match="not a Qwen2.5-VL model"):
+        set_layer_compilation(torch.nn.Linear(2, 2), True)
 
 
 @pytest.mark.gpu

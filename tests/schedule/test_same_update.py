@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from rollplex.loop import build_run, train
+from rollplex.models.compiled import layers_compiled
 from rollplex.observe.metrics import PhaseTimer
 from rollplex.schedule import make_step
 from tests.test_loop import _config, _metrics, _weights, assets  # noqa: F401  (fixture)
@@ -131,7 +132,13 @@ def _check_barriers(events, order):
 def test_overlap_gives_identical_parameters_on_gpu(assets, tmp_path):  # noqa: F811
     """On CUDA (bf16) the overlapped schedule runs the serial schedule's kernels on other streams, also
     with the reference prefix confined to 16 SMs (a green context, with prefill fusion): bitwise the
-    same weights after 3 steps (measured so on the 3B workload by rollplex bench schedule)."""
+    same weights after 3 steps. The models run their layers compiled (``model.compile_layers``, the
+    CUDA default), so compiled layers called from the Phase-1 worker thread are covered too."""
+    cuda_run = build_run(
+        _config(assets, tmp_path / "probe", 1, **{"algo.kl_coef": 0.05, "run.device": "cuda"})
+    )
+    assert layers_compiled(cuda_run.roles.actor) and layers_compiled(cuda_run.roles.reference)
+    del cuda_run
     runs = {}
     for name in ("serial", "rollplex", "green"):
         overrides = {"algo.kl_coef": 0.05, "eval.every": 0, "run.device": "cuda", **SCHEDULES[name]}
