@@ -148,7 +148,7 @@ class ModelConfig:
         True,
         "run each layer's norms, attention module and MLP compiled by torch.compile for the prefix, suffix "
         "and training passes (CUDA only; fused elementwise kernels, same values up to rounding; the first "
-        "steps compile)",
+        "step compiles them)",
     )
 
 

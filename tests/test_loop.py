@@ -337,12 +337,23 @@ def test_b04_rollout_reference_and_actor_read_the_same_vision_tensors(
 
 @pytest.mark.parametrize("requested", [True, False])
 def test_model_compile_layers_reaches_both_models(assets, tmp_path, monkeypatch, requested):
-    """``model.compile_layers`` compiles the actor's and the reference's layers where it applies (the
-    CUDA-only gate passed through here, so the CPU shows the wiring; nothing runs, nothing compiles)."""
-    monkeypatch.setattr("rollplex.loop.compiles_layers", lambda flag, device: flag)
+    """``model.compile_layers`` goes through the CUDA-only gate once, with the run's device, and its
+    answer reaches the actor and the reference (the gate is answered with the flag itself here, so the
+    CPU shows the wiring; nothing runs, nothing compiles)."""
+    calls = []
+    monkeypatch.setattr(
+        "rollplex.loop.compiles_layers", lambda flag, device: calls.append((flag, device)) or flag
+    )
     cfg = _config(
         assets, tmp_path, 1, **{"algo.kl_coef": 0.05, "model.compile_layers": str(requested).lower()}
     )
     run = build_run(cfg)
+    assert calls == [(requested, torch.device("cpu"))]
     assert layers_compiled(run.roles.actor) is requested
     assert layers_compiled(run.roles.reference) is requested
+
+
+def test_model_compile_layers_is_ignored_on_the_cpu(assets, tmp_path):
+    cfg = _config(assets, tmp_path, 1, **{"algo.kl_coef": 0.05, "model.compile_layers": "true"})
+    run = build_run(cfg)
+    assert not layers_compiled(run.roles.actor) and not layers_compiled(run.roles.reference)

@@ -27,6 +27,7 @@ rounding, since the traced backward formulas may sum in another order).
 from __future__ import annotations
 
 import types
+from collections.abc import Callable
 
 import torch
 
@@ -34,8 +35,9 @@ _MARK = "_rollplex_compiled"  # on a module: the compiled function its instance 
 _TEXT_PARTS = ("input_layernorm", "self_attn", "post_attention_layernorm", "mlp")
 _VISION_PARTS = ("norm1", "attn", "norm2", "mlp")
 # Cache entries per compiled function, e.g. for the RMSNorm: rank 2 (vision) or 3 (text) × batch 1 or
-# more × grad mode and inputs requiring grad × prefix or suffix pass (17 measured on the CPU, whatever
-# the number of layers); torch's default of 8 would leave the rest running eagerly, with one warning.
+# more × grad mode and inputs requiring grad × prefix or suffix pass (11-17 counted on the CPU,
+# depending on the torch version, whatever the number of layers); torch's default of 8 would leave the
+# rest running eagerly, with one warning.
 RECOMPILE_LIMIT = 64
 _cache: dict[tuple, object] = {}
 
@@ -81,12 +83,28 @@ def _own_forward(module) -> bool:
     return mark is not None and getattr(forward, "__func__", None) is mark
 
 
+def refuse_foreign_forwards(model) -> None:
+    """Check that compiling ``model``'s layers would overwrite no instance ``forward`` of another origin.
+
+    Raises:
+        ValueError: a layer module has one (another patch or hook library), named in the message; or
+            ``model`` is not a Qwen2.5-VL model.
+    """
+    foreign = [m for m in _targets(model) if "forward" in vars(m) and not _own_forward(m)]
+    if foreign:
+        names = {module: name for name, module in model.named_modules()}
+        raise ValueError(
+            f"compiling the layers would overwrite the instance forward of {names[foreign[0]]} "
+            f"({len(foreign)} such module(s)); remove it or set model.compile_layers: false"
+        )
+
+
 def layers_compiled(model) -> bool:
     """Whether ``set_layer_compilation`` has installed compiled forwards on ``model``."""
     return any(_own_forward(m) for m in _targets(model))
 
 
-def set_layer_compilation(model, on: bool, backend: str = "inductor") -> int:
+def set_layer_compilation(model, on: bool, backend: str | Callable = "inductor") -> int:
     """Run each layer's norms, attention module and MLP of ``model`` (a Qwen2.5-VL model) compiled
     (``on``) or as transformers defines them; returns how many modules now run compiled. Calling it
     again recompiles for the modules' current classes (models.vision_mlp swaps the vision MLP's class).
@@ -95,8 +113,8 @@ def set_layer_compilation(model, on: bool, backend: str = "inductor") -> int:
         model: a transformers ``Qwen2_5_VLForConditionalGeneration``.
         on: install the compiled forwards (True) or remove those installed here (False; an instance
             ``forward`` of another origin is left as it is).
-        backend: torch.compile backend: ``inductor`` (fused kernels) or ``aot_eager`` (traced, run by
-            the eager kernels; for tests).
+        backend: torch.compile backend: ``inductor`` (fused kernels), ``aot_eager`` (traced, run by
+            the eager kernels; for tests) or a backend callable.
 
     Raises:
         ValueError: ``model`` is not a Qwen2.5-VL model, or, turning it on, a module has an instance
@@ -107,13 +125,8 @@ def set_layer_compilation(model, on: bool, backend: str = "inductor") -> int:
     ``RECOMPILE_LIMIT`` (it applies to every compiled function of the process, decode's included).
     """
     modules = _targets(model)
-    foreign = [m for m in modules if "forward" in vars(m) and not _own_forward(m)]
-    if on and foreign:
-        raise ValueError(
-            f"{len(foreign)} layer modules (the first a {type(foreign[0]).__name__}) already have an "
-            "instance forward that compiling the layers would overwrite"
-        )
     if on:
+        refuse_foreign_forwards(model)
         limit = torch._dynamo.config.recompile_limit
         torch._dynamo.config.recompile_limit = max(limit, RECOMPILE_LIMIT)
     for module in modules:

@@ -31,7 +31,7 @@ from rollplex.models.attention import (
     suffix_block_mask,
     suffix_bool_mask,
 )
-from rollplex.models.compiled import layers_compiled, set_layer_compilation
+from rollplex.models.compiled import layers_compiled, refuse_foreign_forwards, set_layer_compilation
 from rollplex.models.positions import response_positions
 from rollplex.models.vision_mlp import set_vision_mlp_padding
 from rollplex.observe.metrics import profiled
@@ -51,13 +51,18 @@ def prepare_model(
     (``batched``), or through the backend transformers chose when the model was built, one call per
     chunk (``per_chunk``); with ``vision_mlp_padding``, the vision blocks' MLP on zero-padded weights
     (models.vision_mlp); with ``compile_layers``, each layer's norms, attention module and MLP
-    compiled (models.compiled; None keeps the model as it is). Calling it again switches between these.
+    compiled (models.compiled; None keeps compilation on or off, reinstalled with inductor after the
+    vision MLP's class may have changed). Calling it again switches between these.
 
     Raises:
-        ValueError: an unknown ``vision_attention``.
+        ValueError: an unknown ``vision_attention``, or layers to compile where a layer module has an
+            instance ``forward`` of another origin (models.compiled); nothing is changed then.
     """
     if vision_attention not in VISION_ATTENTION:
         raise ValueError(f"vision_attention {vision_attention!r}: expected one of {VISION_ATTENTION}")
+    compiled = layers_compiled(model) if compile_layers is None else compile_layers
+    if compiled:
+        refuse_foreign_forwards(model)  # before anything changes
     register()
     model.config.text_config._attn_implementation = ATTENTION_NAME
     model.model.language_model.config._attn_implementation = ATTENTION_NAME
@@ -68,7 +73,6 @@ def prepare_model(
     model.config.vision_config._attn_implementation = name
     visual._attn_implementation = name
     set_vision_mlp_padding(model, vision_mlp_padding)
-    compiled = layers_compiled(model) if compile_layers is None else compile_layers
     set_layer_compilation(model, compiled)  # again after a vision MLP class swap
 
 

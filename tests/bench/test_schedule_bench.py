@@ -43,11 +43,16 @@ def test_unknown_row_is_named():
 def test_eager_rows_run_the_layers_uncompiled(monkeypatch):
     """serial-eager turns ``model.compile_layers`` off for both models; the other rows leave it to the
     workload (the CUDA-only gate passed through here, so the CPU shows the wiring without compiling)."""
-    monkeypatch.setattr("rollplex.bench.schedule.compiles_layers", lambda flag, device: flag)
+    calls = []
+    monkeypatch.setattr(
+        "rollplex.bench.schedule.compiles_layers", lambda flag, device: calls.append((flag, device)) or flag
+    )
     cfg = ScheduleBenchConfig(
         preset="tiny", groups=1, group_size=2, text_tokens=8, grid=(2, 4, 4), dtype="float32"
     )
     work = _Workload(cfg, torch.device("cpu"))
     for row, compiled in (("serial", True), ("serial-eager", False), ("both", True), ("both-eager", False)):
+        calls.clear()
         work.roles(ROWS[row], cfg)
+        assert calls == [(compiled, torch.device("cpu"))], row
         assert layers_compiled(work.actor) is compiled and layers_compiled(work.reference) is compiled, row
