@@ -48,7 +48,7 @@ def compiles_layers(requested: bool, device: torch.device) -> bool:
     return requested and device.type == "cuda"
 
 
-def _compiled(forward, backend: str):
+def _compiled(forward, backend: str | Callable):
     """One compiled function per (class forward, backend), shared by every instance."""
     key = (forward, backend)
     if key not in _cache:
