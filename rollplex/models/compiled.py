@@ -26,6 +26,7 @@ rounding, since the traced backward formulas may sum in another order).
 
 from __future__ import annotations
 
+import functools
 import types
 from collections.abc import Callable
 
@@ -39,7 +40,6 @@ _VISION_PARTS = ("norm1", "attn", "norm2", "mlp")
 # depending on the torch version, whatever the number of layers); torch's default of 8 would leave the
 # rest running eagerly, with one warning.
 RECOMPILE_LIMIT = 64
-_cache: dict[tuple, object] = {}
 
 
 def compiles_layers(requested: bool, device: torch.device) -> bool:
@@ -48,12 +48,10 @@ def compiles_layers(requested: bool, device: torch.device) -> bool:
     return requested and device.type == "cuda"
 
 
+@functools.cache
 def _compiled(forward, backend: str | Callable):
     """One compiled function per (class forward, backend), shared by every instance."""
-    key = (forward, backend)
-    if key not in _cache:
-        _cache[key] = torch.compile(forward, backend=backend, dynamic=True)
-    return _cache[key]
+    return torch.compile(forward, backend=backend, dynamic=True)
 
 
 def _targets(model) -> list[torch.nn.Module]:

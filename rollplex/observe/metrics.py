@@ -7,9 +7,10 @@ in step order. Non-finite values are written as ``null`` (strict JSON). Keys the
 gradient norm that is not finite), ``skipped_samples``, ``zero_variance_groups``, ``reward_errors``,
 ``time/<phase>`` and ``time/step`` (seconds), ``peak_memory_gib`` (GiB), ``val_accuracy`` and
 ``val_skipped_samples`` (some steps), ``chance_accuracy``; with T-GRPO ``reward/temporal`` (the bonus),
-``temporal/video_groups``, ``temporal/reward_errors``, ``temporal/ordered_accuracy``, ``temporal/shuffled_accuracy`` (the values of
-the compared reward, ``reward.temporal_reward``; ``accuracy`` and ``val_accuracy`` stay the built-in
-accuracy) and ``temporal/bonus_group_fraction`` (fraction of the video groups given the bonus).
+``temporal/video_groups``, ``temporal/reward_errors``, ``temporal/ordered_accuracy``,
+``temporal/shuffled_accuracy`` (the values of the compared reward, ``reward.temporal_reward``;
+``accuracy`` and ``val_accuracy`` stay the built-in accuracy) and ``temporal/bonus_group_fraction``
+(fraction of the video groups given the bonus).
 
 Profiler ranges: every phase (``rollplex/phase/<name>``; the rollplex schedule's Phase-1 rollout and
 worker-thread prefixes included), and the model work that ``profiled`` marks (``rollplex/prefix``,

@@ -21,6 +21,7 @@ from rollplex.models.compiled import compiles_layers, layers_compiled, set_layer
 from rollplex.models.forward import enable_checkpointing, prefix_forward, prepare_model, suffix_logprobs
 from rollplex.models.vision_mlp import PaddedVisionMLP
 from tests.numerics.conftest import BANNED, make_prompt, tiny_config
+from tests.numerics.test_gpu_paths import _to
 
 N, T = 3, 0.7
 TEXT_LAYERS, VISION_BLOCKS = 3, 3
@@ -47,14 +48,14 @@ def _model(dtype=torch.float64):
 
 
 def _batch(device="cpu", dtype=torch.float64):
-    prompts = [
-        make_prompt([4, 3], [("image", (1, 4, 6), 0.0)], seed=1),
-        make_prompt([3, 2], [("video", (4, 4, 4), 0.5)], seed=2),
-    ]
-    for p in prompts:
-        for name in ("pixel_values", "pixel_values_videos"):
-            if getattr(p, name) is not None:
-                setattr(p, name, getattr(p, name).to(device, dtype))
+    prompts = _to(
+        [
+            make_prompt([4, 3], [("image", (1, 4, 6), 0.0)], seed=1),
+            make_prompt([3, 2], [("video", (4, 4, 4), 0.5)], seed=2),
+        ],
+        device,
+        dtype,
+    )
     responses = torch.randint(3, 150, (len(prompts) * N, 5), generator=torch.Generator().manual_seed(5))
     return prompts, responses.to(device)
 
