@@ -68,3 +68,55 @@ def test_one_group_per_micro_batch_accumulates_the_whole_batch_gradient(batch, a
     scale = max(float(g.abs().max()) for g in whole.values())
     assert scale > 0
     assert all(torch.allclose(split[n], whole[n], rtol=0, atol=1e-12 * scale) for n in whole)
+
+
+def _stats(roles, scored, micro: int):
+    algo = dataclasses.replace(roles.config.algo, micro_batch_groups=micro)
+    roles = dataclasses.replace(roles, config=dataclasses.replace(roles.config, algo=algo))
+    roles.optimizer.zero_grad()
+    stats = actor_backward(roles, scored, [0, 1, 2], None)
+    roles.optimizer.zero_grad()
+    return stats
+
+
+def test_statistics_over_micro_batches_are_those_of_the_whole_batch(batch):
+    """The statistics are summed on the device and read once per mini-batch: over three micro-batches
+    they equal the one-pass values (token and clip counts exactly, the largest |Δ log p| exactly)."""
+    roles, scored = batch
+    whole, split = _stats(roles, scored, 0), _stats(roles, scored, 1)
+    assert whole.tokens == split.tokens == 18
+    assert whole.clip_fraction == split.clip_fraction
+    assert whole.logprob_diff_max == split.logprob_diff_max
+    for name in ("loss", "kl", "entropy", "logprob_diff_sum"):
+        a, b = getattr(whole, name), getattr(split, name)
+        assert isinstance(b, float) and abs(a - b) <= 1e-12 * max(1.0, abs(a)), name
+    assert whole.entropy > 0 and whole.kl >= 0
+
+
+def test_micro_batch_sums_by_hand():
+    """Two micro-batches of hand-made values: sums of the masked entries, the larger maximum, counts."""
+    from rollplex.phases import _add_sums, _micro_sums, _stats
+
+    mask = torch.tensor([[True, True, False]])
+    first = _micro_sums(
+        torch.tensor(0.5),
+        torch.tensor([[0.1, 0.2, 9.0]]),
+        torch.tensor([[True, False, True]]),
+        torch.tensor([[1.0, 2.0, 9.0]]),
+        torch.tensor([[-1.0, -2.0, 0.0]]),
+        torch.tensor([[-1.5, -1.75, 7.0]]),
+        mask,
+    )
+    second = _micro_sums(
+        torch.tensor(-0.25),
+        torch.tensor([[0.3, 9.0, 9.0]]),
+        torch.tensor([[True, True, True]]),
+        torch.tensor([[4.0, 9.0, 9.0]]),
+        torch.tensor([[-3.0, 0.0, 0.0]]),
+        torch.tensor([[-3.125, 0.0, 0.0]]),
+        torch.tensor([[True, False, False]]),
+    )
+    stats = _stats(_add_sums(first, second))
+    assert stats.loss == 0.25 and stats.tokens == 3 and stats.clip_fraction == 2.0
+    assert stats.kl == pytest.approx(0.6, abs=1e-7) and stats.entropy == 7.0
+    assert stats.logprob_diff_max == 0.5 and stats.logprob_diff_sum == 0.875

@@ -121,12 +121,12 @@ def synthetic_prompt(model, shape: PromptShape, seed: int, device, dtype) -> Pro
     pixels = torch.randn(t * h * w, 1176, generator=g).to(device, dtype)
     return Prompt(
         record=_RECORD,
-        input_ids=ids.to(device),
+        input_ids=ids,  # ids and grid stay on the host, as the data loader's prompts do
         position_ids=positions.to(device),
         next_position=nxt,
         content_key=f"synthetic-{seed}",
         pixel_values_videos=pixels,
-        video_grid_thw=grid.to(device),
+        video_grid_thw=grid,
         second_per_grid_ts=spg,
     )
 

@@ -17,6 +17,10 @@ Rows (each from the same initial weights and optimizer state, same prompts and s
                           them (model.compile_layers off; every other row runs them compiled unless
                           --no-compile-layers)
     both-eager            both, likewise
+    serial-autogc         serial, Python's garbage collector passing automatically inside the steps
+                          (run.step_gc off; every other row collects once after each step, outside
+                          the timed span, as the training loop does)
+    both-autogc           both, likewise
 
 Warm-up iterations (allocator growth, graph capture, compilation, and auto's policy trials) are
 discarded; the table gives the median step time and its spread, the speedup over serial, the Phase-1
@@ -39,6 +43,7 @@ import torch
 
 from rollplex.bench.common import PromptShape, Workload, bench_device, synthetic_prompt, workload_model
 from rollplex.bench.decode import copy_bandwidth, step_bytes
+from rollplex.collector import StepCollector
 from rollplex.config import load_config
 from rollplex.models.compiled import compiles_layers
 from rollplex.models.forward import enable_checkpointing, prepare_model
@@ -61,6 +66,8 @@ ROWS = {
     "both-green": {**_BOTH, "run.prefix_sms": "half", "run.prefix_chunk_groups": 1},
     "serial-eager": {"run.schedule": "serial", "model.compile_layers": False},
     "both-eager": {**_BOTH, "model.compile_layers": False},
+    "serial-autogc": {"run.schedule": "serial", "run.step_gc": False},
+    "both-autogc": {**_BOTH, "run.step_gc": False},
 }
 MAIN_ROWS = ("serial", "overlap", "fusion", "both", "auto")
 
@@ -161,15 +168,17 @@ def _run_row(work: _Workload, name: str, cfg: ScheduleBenchConfig) -> tuple[dict
         torch.cuda.reset_peak_memory_stats(work.device)
         torch.cuda.reset_accumulated_memory_stats(work.device)
     warmup = _warmup(step, cfg)
-    for i in range(warmup + cfg.steps):
-        start = timer.now()
-        *_, extra = step(roles, work.prompts, timer)
-        end = timer.now()
-        spent = {**timer.pop(), **extra}
-        print(f"    {name} iteration {i}: {end - start:.3f} s", flush=True)
-        if i >= warmup:
-            times.append(end - start)
-            phases.append(spent)
+    with StepCollector(roles.config.run.step_gc) as collector:
+        for i in range(warmup + cfg.steps):
+            start = timer.now()
+            *_, extra = step(roles, work.prompts, timer)
+            end = timer.now()
+            collector.step_done()  # outside the timed span, as the training loop runs it
+            spent = {**timer.pop(), **extra}
+            print(f"    {name} iteration {i}: {end - start:.3f} s", flush=True)
+            if i >= warmup:
+                times.append(end - start)
+                phases.append(spent)
     row = {
         "steps_taken": warmup + cfg.steps,
         "step_s_median": statistics.median(times),

@@ -27,6 +27,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from rollplex.models.vision_layout import to_device
+
 ATTENTION_NAME = "rollplex"
 
 
@@ -353,7 +355,7 @@ def chunk_plan(bounds: torch.Tensor, seq: int, device: torch.device) -> ChunkPla
     index = None
     if not (len(buckets) == 1 and len(buckets[0][1]) * buckets[0][0] == seq):
         host = torch.tensor([i for length, starts in buckets for s in starts for i in range(s, s + length)])
-        index = host.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else host
+        index = to_device(host, device)
     plan = ChunkPlan(seq, buckets, index)
     if keep:
         _keep(key, bounds, plan)

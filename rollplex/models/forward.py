@@ -33,6 +33,7 @@ from rollplex.models.attention import (
 )
 from rollplex.models.compiled import layers_compiled, refuse_foreign_forwards, set_layer_compilation
 from rollplex.models.positions import response_positions
+from rollplex.models.vision_layout import to_device, vision_layout
 from rollplex.models.vision_mlp import set_vision_mlp_padding
 from rollplex.observe.metrics import profiled
 from rollplex.rollout.sampler import entropy as entropy_of
@@ -96,8 +97,12 @@ def _vision_output(model, pixels: torch.Tensor, grid_thw: torch.Tensor) -> torch
     """
     visual = model.model.visual
     trainable = torch.is_grad_enabled() and any(p.requires_grad for p in visual.parameters())
+    layout = vision_layout(visual, grid_thw, pixels.device)
+    grid, kwargs = (
+        (to_device(grid_thw, pixels.device), {}) if layout is None else (layout.grid, layout.kwargs())
+    )
     with contextlib.nullcontext() if trainable else torch.no_grad():
-        out = visual(pixels.to(visual.dtype), grid_thw=grid_thw)
+        out = visual(pixels.to(visual.dtype), grid_thw=grid, **kwargs)
     return out.pooler_output if hasattr(out, "pooler_output") else out
 
 
@@ -111,8 +116,8 @@ def prompt_embeddings(model, prompt: Prompt) -> torch.Tensor:
         ValueError: the number of placeholders differs from the number of vision features (B06).
     """
     lm = model.model.language_model
-    ids = prompt.input_ids.to(lm.embed_tokens.weight.device)
-    embeds = lm.embed_tokens(ids)
+    device = lm.embed_tokens.weight.device
+    embeds = lm.embed_tokens(to_device(prompt.input_ids, device))
     config = model.config
     for pixels, grid, token in (
         (prompt.pixel_values, prompt.image_grid_thw, config.image_token_id),
@@ -120,15 +125,23 @@ def prompt_embeddings(model, prompt: Prompt) -> torch.Tensor:
     ):
         if pixels is None:
             continue
-        feats = _vision_output(model, pixels.to(embeds.device), grid.to(embeds.device)).to(embeds.dtype)
-        slots = ids == token
-        if int(slots.sum()) != feats.shape[0]:
-            raise ValueError(
-                f"prompt has {int(slots.sum())} placeholders of id {token} but {feats.shape[0]} features"
-            )
-        index = slots.nonzero().squeeze(1)
-        embeds = embeds.index_put((index,), feats)
+        feats = _vision_output(model, to_device(pixels, device), grid).to(embeds.dtype)
+        embeds = embeds.index_put((_placeholders(prompt.input_ids, token, feats.shape[0], device),), feats)
     return embeds.unsqueeze(0)
+
+
+def _placeholders(ids: torch.Tensor, token: int, features: int, device: torch.device) -> torch.Tensor:
+    """Positions int64 [k] of id ``token`` in ``ids`` [P], on ``device``; found on the host when ``ids``
+    is there, so the device queue is not drained for them.
+
+    Raises:
+        ValueError: k differs from ``features``, the number of vision features (B06).
+    """
+    slots = ids == token
+    count = int(slots.sum())
+    if count != features:
+        raise ValueError(f"prompt has {count} placeholders of id {token} but {features} features")
+    return to_device(slots.nonzero().squeeze(1), device)
 
 
 def _decoder(model, embeds: torch.Tensor, positions: torch.Tensor, plan) -> torch.Tensor:
@@ -173,7 +186,7 @@ def prefix_states(
         for prompt in prompts:
             plan = PrefixPlan()
             embeds = prompt_embeddings(model, prompt)
-            positions = prompt.position_ids.to(embeds.device)[:, None, :]
+            positions = to_device(prompt.position_ids, embeds.device)[:, None, :]
             hidden = _decoder(model, embeds, positions, plan)
             logits = model.lm_head(hidden[:, -1])
             device = logits.device
@@ -181,8 +194,8 @@ def prefix_states(
                 PrefixState(
                     keys=[plan.keys[i] for i in range(len(plan.keys))],
                     values=[plan.values[i] for i in range(len(plan.values))],
-                    prompt_lens=torch.tensor([prompt.length], device=device),
-                    next_position=torch.tensor([prompt.next_position], device=device),
+                    prompt_lens=torch.full((1,), prompt.length, device=device),
+                    next_position=torch.full((1,), prompt.next_position, device=device),
                     last_logprobs=token_logprobs(logits, temperature, banned_ids.to(device)),
                     content_keys=[prompt.content_key],
                     attached=attached,
@@ -195,7 +208,7 @@ def merge_prefixes(states: list[PrefixState]) -> PrefixState:
     """One PrefixState of G groups from G single-group states: boundary KV zero-padded to the longest
     prompt, [G, Hkv, P_max, D] per layer (differentiable: gradients flow back to each group's graph)."""
     lens = torch.cat([s.prompt_lens for s in states])
-    p_max = int(lens.max())
+    p_max = max(s.keys[0].shape[2] for s in states)  # = max(lens), without reading lens back
     layers = len(states[0].keys)
     return PrefixState(
         keys=[_pad_stack([s.keys[i] for s in states], p_max) for i in range(layers)],

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 SCRIPTS = sorted((Path(__file__).resolve().parents[2] / "scripts").glob("*.py"))
-REQUIRED = {"step_profile.py": ["out"]}  # positional arguments a script needs
+REQUIRED = {"step_profile.py": ["out"], "host_probe.py": ["out"]}  # positional arguments a script needs
 
 
 def _run(monkeypatch, script: Path, args: list[str]) -> int:
