@@ -221,8 +221,7 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--rows",
         help="comma-separated rows among serial,overlap,fusion,both,auto,both-same-priority,both-chunked,"
-        "both-carveout,both-green,serial-eager,both-eager,serial-autogc,both-autogc "
-        "(default serial,overlap,fusion,both,auto)",
+        "both-carveout,both-green,serial-eager,both-eager (default serial,overlap,fusion,both,auto)",
     )
     p.add_argument(
         "--compile-decode",

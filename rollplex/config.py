@@ -118,12 +118,6 @@ class RunConfig:
     auto_trials: int = _field(
         2, "auto schedule: trial steps per co-running policy before it keeps the fastest", ge=1
     )
-    step_gc: bool = _field(
-        True,
-        "Python's cyclic garbage collector runs once after each step instead of automatically inside it, "
-        "and what outlives the first step is frozen out of its passes (rollplex.collector); false = "
-        "Python's automatic passes",
-    )
     progress: bool = _field(True, "show a progress bar with ETA")
     log_every: int = _field(
         10,

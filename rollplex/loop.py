@@ -26,7 +26,6 @@ from rollplex.checkpoint import (
     save_checkpoint,
     set_rng_state,
 )
-from rollplex.collector import StepCollector
 from rollplex.config import (
     Config,
     data_root,
@@ -384,38 +383,29 @@ def train(cfg: Config, resume: bool = False, overwrite: bool = False) -> Path:
     timer = PhaseTimer(sync=torch.cuda.synchronize if run.device.type == "cuda" else None)
     bar = ProgressBar(total=cfg.run.steps, initial=step, enabled=cfg.run.progress)
     record: dict = {}
-    with StepCollector(cfg.run.step_gc) as collector:
-        while step < cfg.run.steps:
-            record = _iteration(run, step, timer, metrics, bar)
-            step += 1
-            collector.step_done()
+    while step < cfg.run.steps:
+        record = _train_step(run, step, timer)
+        run.updates_skipped += record["skipped_updates"]
+        step += 1
+        evaluation = _maybe_eval(run, step, force=step == cfg.run.steps)
+        record.update(evaluation)
+        metrics.write(record)
+        bar.update(record)
+        if not cfg.run.progress and (step % cfg.run.log_every == 0 or step == cfg.run.steps):
+            log.info(_log_line(record))
+        if _should_save(cfg, step):
+            save_checkpoint(
+                run.run_dir,
+                step,
+                model=run.roles.actor,
+                processor=run.processor,
+                trainer_state=trainer_state(run, step),
+                keep=cfg.run.keep_checkpoints,
+            )
     bar.close()
     write_chrome_trace(timer.spans, run.run_dir / "trace.json")
     _summary(run, first_eval, record, time.perf_counter() - started)
     return run.run_dir
-
-
-def _iteration(run: Run, step: int, timer: PhaseTimer, metrics: MetricsWriter, bar: ProgressBar) -> dict:
-    """Step ``step`` (0-based) with its evaluation, metrics, progress line and checkpoint; its record."""
-    cfg = run.cfg
-    record = _train_step(run, step, timer)
-    run.updates_skipped += record["skipped_updates"]
-    done = step + 1
-    record.update(_maybe_eval(run, done, force=done == cfg.run.steps))
-    metrics.write(record)
-    bar.update(record)
-    if not cfg.run.progress and (done % cfg.run.log_every == 0 or done == cfg.run.steps):
-        log.info(_log_line(record))
-    if _should_save(cfg, done):
-        save_checkpoint(
-            run.run_dir,
-            done,
-            model=run.roles.actor,
-            processor=run.processor,
-            trainer_state=trainer_state(run, done),
-            keep=cfg.run.keep_checkpoints,
-        )
-    return record
 
 
 def _resume_checkpoint(run_dir: Path) -> Path:

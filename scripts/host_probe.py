@@ -22,9 +22,8 @@ from collections import Counter
 import torch
 
 from rollplex.bench.common import cuda_script_args
-from rollplex.bench.schedule import ROWS, ScheduleBenchConfig, _Workload
+from rollplex.bench.schedule import default_row
 from rollplex.observe.metrics import PhaseTimer
-from rollplex.schedule import make_step
 
 
 def _where() -> str:
@@ -95,11 +94,7 @@ def _time_gc() -> dict[str, float]:
 
 
 def main(out: str) -> None:
-    cfg = ScheduleBenchConfig()
-    device = torch.device("cuda")
-    work = _Workload(cfg, device)
-    roles = work.roles(ROWS["serial"], cfg)
-    step = make_step(roles.config, device)
+    work, roles, step = default_row("serial", torch.device("cuda"))
     timer = PhaseTimer(sync=torch.cuda.synchronize)
 
     setup = _time_decoder_setup()

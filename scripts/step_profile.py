@@ -14,10 +14,9 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from rollplex.bench.common import cuda_script_args
-from rollplex.bench.schedule import ROWS, ScheduleBenchConfig, _Workload
+from rollplex.bench.schedule import default_row
 from rollplex.observe.idle import gap_table
 from rollplex.observe.metrics import PhaseTimer
-from rollplex.schedule import make_step
 
 
 def _step(step, roles, work, timer, label: str) -> None:
@@ -28,11 +27,7 @@ def _step(step, roles, work, timer, label: str) -> None:
 
 
 def main(out: str) -> None:
-    cfg = ScheduleBenchConfig()
-    device = torch.device("cuda")
-    work = _Workload(cfg, device)
-    roles = work.roles(ROWS["serial"], cfg)
-    step = make_step(roles.config, device)
+    work, roles, step = default_row("serial", torch.device("cuda"))
     timer = PhaseTimer(sync=torch.cuda.synchronize)
     for i in range(2):  # compilation, graph capture, allocator growth
         _step(step, roles, work, timer, f"warm-up {i}")

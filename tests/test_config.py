@@ -32,7 +32,7 @@ SPEC_DEFAULTS = {
         "out_dir": "runs/rollplex", "seed": 0, "steps": 100, "save_every": 50, "keep_checkpoints": 2,
         "device": "auto", "dtype": "auto", "deterministic": False, "schedule": "serial", "prefill_fusion": False, "overlap": True,
         "decode_priority": True, "prefix_chunk_groups": 0, "prefix_sm_carveout": 0, "prefix_sms": 0, "auto_trials": 2,
-        "step_gc": True, "progress": True,
+        "progress": True,
         "log_every": 10,
     },
     "model": {

@@ -359,30 +359,3 @@ def test_model_compile_layers_is_ignored_on_the_cpu(assets, tmp_path):
     cfg = _config(assets, tmp_path, 1, **{"algo.kl_coef": 0.05, "model.compile_layers": "true"})
     run = build_run(cfg)
     assert not layers_compiled(run.roles.actor) and not layers_compiled(run.roles.reference)
-
-
-@pytest.mark.parametrize("step_gc", [True, False])
-def test_garbage_is_collected_between_steps(assets, tmp_path, monkeypatch, step_gc):
-    """``run.step_gc`` reaches the training loop: with it the collector's automatic passes are off
-    inside every step and one pass runs after each; without it Python's automatic passes stay on."""
-    import gc
-
-    from rollplex import loop
-
-    inside, done = [], []
-    train_step = loop._train_step
-
-    def spied_step(*args):
-        inside.append(gc.isenabled())
-        return train_step(*args)
-
-    class Spy(loop.StepCollector):
-        def step_done(self):
-            done.append(self.enabled)
-            super().step_done()
-
-    monkeypatch.setattr(loop, "_train_step", spied_step)
-    monkeypatch.setattr(loop, "StepCollector", Spy)
-    train(_config(assets, tmp_path / "run", 2, **{"run.step_gc": str(step_gc).lower()}))
-    assert inside == [not step_gc] * 2 and done == [step_gc] * 2
-    assert gc.isenabled() and gc.get_freeze_count() == 0

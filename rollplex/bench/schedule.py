@@ -17,10 +17,6 @@ Rows (each from the same initial weights and optimizer state, same prompts and s
                           them (model.compile_layers off; every other row runs them compiled unless
                           --no-compile-layers)
     both-eager            both, likewise
-    serial-autogc         serial, Python's garbage collector passing automatically inside the steps
-                          (run.step_gc off; every other row collects once after each step, outside
-                          the timed span, as the training loop does)
-    both-autogc           both, likewise
 
 Warm-up iterations (allocator growth, graph capture, compilation, and auto's policy trials) are
 discarded; the table gives the median step time and its spread, the speedup over serial, the Phase-1
@@ -36,6 +32,7 @@ from __future__ import annotations
 import copy
 import json
 import statistics
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -43,7 +40,6 @@ import torch
 
 from rollplex.bench.common import PromptShape, Workload, bench_device, synthetic_prompt, workload_model
 from rollplex.bench.decode import copy_bandwidth, step_bytes
-from rollplex.collector import StepCollector
 from rollplex.config import load_config
 from rollplex.models.compiled import compiles_layers
 from rollplex.models.forward import enable_checkpointing, prepare_model
@@ -66,8 +62,6 @@ ROWS = {
     "both-green": {**_BOTH, "run.prefix_sms": "half", "run.prefix_chunk_groups": 1},
     "serial-eager": {"run.schedule": "serial", "model.compile_layers": False},
     "both-eager": {**_BOTH, "model.compile_layers": False},
-    "serial-autogc": {"run.schedule": "serial", "run.step_gc": False},
-    "both-autogc": {**_BOTH, "run.step_gc": False},
 }
 MAIN_ROWS = ("serial", "overlap", "fusion", "both", "auto")
 
@@ -153,6 +147,15 @@ class _Workload:
         return Roles(self.actor, self.reference, optimizer, self.tokenizer, sampling, generator, config)
 
 
+def default_row(name: str, device: torch.device) -> tuple[_Workload, Roles, Callable]:
+    """The default workload on ``device``, with row ``name``'s roles and step function (for scripts that
+    probe one row)."""
+    cfg = ScheduleBenchConfig()
+    work = _Workload(cfg, device)
+    roles = work.roles(ROWS[name], cfg)
+    return work, roles, make_step(roles.config, device)
+
+
 def _warmup(step, cfg: ScheduleBenchConfig) -> int:
     """Discarded iterations: ``cfg.warmup``, and for ``auto`` also one per policy it tries."""
     trials = len(getattr(step, "trials", []))
@@ -168,17 +171,15 @@ def _run_row(work: _Workload, name: str, cfg: ScheduleBenchConfig) -> tuple[dict
         torch.cuda.reset_peak_memory_stats(work.device)
         torch.cuda.reset_accumulated_memory_stats(work.device)
     warmup = _warmup(step, cfg)
-    with StepCollector(roles.config.run.step_gc) as collector:
-        for i in range(warmup + cfg.steps):
-            start = timer.now()
-            *_, extra = step(roles, work.prompts, timer)
-            end = timer.now()
-            collector.step_done()  # outside the timed span, as the training loop runs it
-            spent = {**timer.pop(), **extra}
-            print(f"    {name} iteration {i}: {end - start:.3f} s", flush=True)
-            if i >= warmup:
-                times.append(end - start)
-                phases.append(spent)
+    for i in range(warmup + cfg.steps):
+        start = timer.now()
+        *_, extra = step(roles, work.prompts, timer)
+        end = timer.now()
+        spent = {**timer.pop(), **extra}
+        print(f"    {name} iteration {i}: {end - start:.3f} s", flush=True)
+        if i >= warmup:
+            times.append(end - start)
+            phases.append(spent)
     row = {
         "steps_taken": warmup + cfg.steps,
         "step_s_median": statistics.median(times),

@@ -56,32 +56,3 @@ def test_eager_rows_run_the_layers_uncompiled(monkeypatch):
         work.roles(ROWS[row], cfg)
         assert calls == [(compiled, torch.device("cpu"))], row
         assert layers_compiled(work.actor) is compiled and layers_compiled(work.reference) is compiled, row
-
-
-def test_autogc_rows_leave_the_collector_automatic(monkeypatch):
-    """Every row collects garbage after each step, outside its timed span, but the autogc rows."""
-    from rollplex.bench import schedule
-
-    enabled = {}
-
-    class Spy(schedule.StepCollector):
-        def __enter__(self):
-            enabled[len(enabled)] = self.enabled
-            return super().__enter__()
-
-    monkeypatch.setattr(schedule, "StepCollector", Spy)
-    cfg = ScheduleBenchConfig(
-        preset="tiny",
-        groups=1,
-        group_size=2,
-        response_tokens=3,
-        text_tokens=8,
-        grid=(2, 4, 4),
-        warmup=0,
-        steps=1,
-        dtype="float32",
-        gradient_checkpointing=False,
-        rows=("serial", "serial-autogc", "both", "both-autogc"),
-    )
-    run_schedule_bench(cfg)
-    assert list(enabled.values()) == [True, False, True, False]
