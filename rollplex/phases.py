@@ -25,7 +25,7 @@ from rollplex.algo.losses import aggregate, policy_loss
 from rollplex.algo.rewards import accuracy_range, add_temporal_bonus, compute_rewards, temporal_reward_name
 from rollplex.config import Config, reward_weights, temporal_samples
 from rollplex.models.forward import merge_prefixes, prefix_forward, suffix_logprobs
-from rollplex.models.vision_layout import to_device
+from rollplex.models.transfer import to_device
 from rollplex.optim import MasterWeightAdamW
 from rollplex.rollout.engine import SamplingParams, generate
 from rollplex.types import PrefixState, Prompt, RolloutBatch, ScoredBatch, ShuffledAccuracy
@@ -222,7 +222,10 @@ def actor_backward(
     cfg, rollout = roles.config, scored.rollout
     n, mask = rollout.group_size, rollout.response_mask()
     rows_all = [g * n + i for g in groups for i in range(n)]
-    num_tokens, sums = int(mask[rows_all].sum()), None
+    num_tokens, sums = (
+        int(mask[rows_all].sum()),
+        torch.zeros(len(_SUM_FIELDS), dtype=torch.float64, device=mask.device),
+    )
     for micro in _group_slices(groups, cfg.algo.micro_batch_groups):
         rows = to_device(torch.tensor([g * n + i for g in micro for i in range(n)]), mask.device)
         if prefixes is None:
@@ -267,8 +270,8 @@ def actor_backward(
         # The rollout-vs-trainer gap compares log-probs under θ_k (the behaviour log-probs when a previous
         # mini-batch has already updated the actor).
         part = _micro_sums(loss, kl, clipped, entropy, old.detach(), rollout.logprobs[rows], m)
-        sums = part if sums is None else _add_sums(sums, part)
-    return ActorStats() if sums is None else _stats(sums)
+        sums = _add_sums(sums, part)
+    return _stats(sums)
 
 
 # ActorStats fields in the order of _micro_sums' vector; logprob_diff_max is a maximum, the rest sums
@@ -279,14 +282,18 @@ _MAX_FIELD = _SUM_FIELDS.index("logprob_diff_max")
 def _micro_sums(loss, kl, clipped, entropy, logprobs, rollout_logprobs, mask) -> torch.Tensor:
     """One micro-batch's masked sums, float64 [7] on the device in ``_SUM_FIELDS`` order: each is
     reduced in its own dtype and widened, as ``float()`` of it would be, so the host reads them once
-    per mini-batch instead of seven times per micro-batch (each read drains the device queue)."""
+    per mini-batch instead of seven times per micro-batch (each read drains the device queue).
+
+    Args:
+        loss: scalar; kl, entropy, logprobs, rollout_logprobs: float [b, R]; clipped, mask: bool [b, R].
+    """
     diff = torch.where(mask, (logprobs - rollout_logprobs).abs(), 0.0)
     dmax = diff.max() if diff.numel() else diff.new_zeros(())
     values = (
         loss.detach(),
         torch.where(mask, kl.detach(), 0.0).sum(),
         (clipped & mask).sum(),
-        torch.where(mask, entropy, 0.0).sum(),
+        torch.where(mask, entropy.detach(), 0.0).sum(),
         dmax,
         diff.sum(),
         mask.float().sum(),
@@ -295,15 +302,16 @@ def _micro_sums(loss, kl, clipped, entropy, logprobs, rollout_logprobs, mask) ->
 
 
 def _add_sums(sums: torch.Tensor, part: torch.Tensor) -> torch.Tensor:
+    """``sums`` + ``part`` (float64 [7]), the maximum field by ``fmax``: a NaN maximum of a micro-batch
+    leaves the running one as it was, as Python's ``max(running, nan)`` did when the host summed."""
     total = sums + part
-    total[_MAX_FIELD] = torch.maximum(sums[_MAX_FIELD], part[_MAX_FIELD])
+    total[_MAX_FIELD] = torch.fmax(sums[_MAX_FIELD], part[_MAX_FIELD])
     return total
 
 
 def _stats(sums: torch.Tensor) -> ActorStats:
     """``ActorStats`` from a mini-batch's ``_micro_sums`` totals (one read of the device)."""
     values = dict(zip(_SUM_FIELDS, sums.tolist()))
-    values["logprob_diff_max"] = max(values["logprob_diff_max"], 0.0)
     return ActorStats(**{**values, "tokens": int(values["tokens"])})
 
 

@@ -1,7 +1,8 @@
 """Where the host spends a serial GRPO step of the ``rollplex bench schedule`` workload, and where it
 waits for the device: after two warm-up steps, one step with CUDA's synchronisation warnings on (each
-synchronising call counted by the innermost ``rollplex`` frames that made it), then one step under
-cProfile (functions by own time and by cumulative time). Every step prints its phase times, the
+synchronising call counted by the innermost ``rollplex`` and transformers frames that made it), three
+plain steps, then one step under cProfile (functions by own time and by cumulative time). Every step
+prints its wall time, its phase times, the
 allocator's device allocations and frees, the decode step's construction and capture times, and the
 garbage collector's passes and time.
 
@@ -43,7 +44,6 @@ def _sync_table(run) -> str:
         else:
             show(message, category, filename, lineno, file, line)
 
-    warnings.showwarning = record
     torch.cuda.set_sync_debug_mode("warn")
     try:
         with warnings.catch_warnings():
@@ -52,7 +52,6 @@ def _sync_table(run) -> str:
             run()
     finally:
         torch.cuda.set_sync_debug_mode("default")
-        warnings.showwarning = show
     rows = [f"{n:6d}  {where}" for where, n in seen.most_common(40)]
     return f"{sum(seen.values())} synchronising calls\n" + "\n".join(rows)
 

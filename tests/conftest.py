@@ -8,7 +8,18 @@ from __future__ import annotations
 
 import os
 
+import pytest
 import torch
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+@pytest.fixture(autouse=True)
+def _fresh_vision_caches(monkeypatch):
+    """Each test starts without kept vision layouts and chunk plans (models.vision_layout,
+    models.attention keep them for the process), so what it counts does not depend on earlier tests."""
+    from rollplex.models import attention, vision_layout
+
+    monkeypatch.setattr(vision_layout, "_LAYOUTS", type(vision_layout._LAYOUTS)())
+    monkeypatch.setattr(attention, "_PLANS", {})

@@ -70,7 +70,7 @@ def test_one_group_per_micro_batch_accumulates_the_whole_batch_gradient(batch, a
     assert all(torch.allclose(split[n], whole[n], rtol=0, atol=1e-12 * scale) for n in whole)
 
 
-def _stats(roles, scored, micro: int):
+def _actor_stats(roles, scored, micro: int):
     algo = dataclasses.replace(roles.config.algo, micro_batch_groups=micro)
     roles = dataclasses.replace(roles, config=dataclasses.replace(roles.config, algo=algo))
     roles.optimizer.zero_grad()
@@ -83,7 +83,7 @@ def test_statistics_over_micro_batches_are_those_of_the_whole_batch(batch):
     """The statistics are summed on the device and read once per mini-batch: over three micro-batches
     they equal the one-pass values (token and clip counts exactly, the largest |Δ log p| exactly)."""
     roles, scored = batch
-    whole, split = _stats(roles, scored, 0), _stats(roles, scored, 1)
+    whole, split = _actor_stats(roles, scored, 0), _actor_stats(roles, scored, 1)
     assert whole.tokens == split.tokens == 18
     assert whole.clip_fraction == split.clip_fraction
     assert whole.logprob_diff_max == split.logprob_diff_max
@@ -91,6 +91,58 @@ def test_statistics_over_micro_batches_are_those_of_the_whole_batch(batch):
         a, b = getattr(whole, name), getattr(split, name)
         assert isinstance(b, float) and abs(a - b) <= 1e-12 * max(1.0, abs(a)), name
     assert whole.entropy > 0 and whole.kl >= 0
+
+
+def _host_sums(parts) -> dict:
+    """The statistics as the host summed them before they were summed on the device: ``float()`` of
+    each micro-batch's reductions, added in Python from 0.0, the maximum by Python's ``max``."""
+    out = dict.fromkeys(
+        ("loss", "kl", "clip_fraction", "entropy", "logprob_diff_max", "logprob_diff_sum"), 0.0
+    )
+    out["tokens"] = 0
+    for loss, kl, clipped, entropy, logprobs, rollout_logprobs, mask in parts:
+        diff = torch.where(mask, (logprobs - rollout_logprobs).abs(), 0.0)
+        out["loss"] += float(loss)
+        out["kl"] += float(torch.where(mask, kl, 0.0).sum())
+        out["clip_fraction"] += float((clipped & mask).sum())
+        out["entropy"] += float(torch.where(mask, entropy, 0.0).sum())
+        out["logprob_diff_max"] = max(out["logprob_diff_max"], float(diff.max()) if diff.numel() else 0.0)
+        out["logprob_diff_sum"] += float(diff.sum())
+        out["tokens"] += int(mask.float().sum())
+    return out
+
+
+def test_device_sums_are_bitwise_the_host_sums():
+    """Random float32 micro-batches, with a loss of -0.0 and a NaN log-prob among them: every statistic
+    bitwise as the host summed it (a NaN maximum leaves the running one, as Python's max did)."""
+    from rollplex.phases import _add_sums, _micro_sums, _stats
+
+    g = torch.Generator().manual_seed(0)
+    for case in range(200):
+        parts = []
+        for micro in range(1 + case % 4):
+            shape = (2, 1 + (case + micro) % 5)
+            lp = torch.randn(shape, generator=g)
+            if (case + micro) % 7 == 3:
+                lp[0, 0] = float("nan")
+            loss = torch.tensor(-0.0) if (case + micro) % 5 == 1 else torch.randn((), generator=g)
+            parts.append(
+                (
+                    loss,
+                    torch.rand(shape, generator=g),
+                    torch.rand(shape, generator=g) < 0.3,
+                    torch.rand(shape, generator=g) * 5,
+                    lp,
+                    torch.randn(shape, generator=g),
+                    torch.rand(shape, generator=g) < 0.8,
+                )
+            )
+        sums = torch.zeros(7, dtype=torch.float64)
+        for part in parts:
+            sums = _add_sums(sums, _micro_sums(*part))
+        got, want = vars(_stats(sums)), _host_sums(parts)
+        for name, value in want.items():
+            assert str(got[name]) == str(value), (case, name)  # bitwise, -0.0 and NaN included
 
 
 def test_micro_batch_sums_by_hand():

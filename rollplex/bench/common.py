@@ -121,7 +121,8 @@ def synthetic_prompt(model, shape: PromptShape, seed: int, device, dtype) -> Pro
     pixels = torch.randn(t * h * w, 1176, generator=g).to(device, dtype)
     return Prompt(
         record=_RECORD,
-        input_ids=ids,  # ids and grid stay on the host, as the data loader's prompts do
+        input_ids=ids,  # ids and grid on the host, as the data loader's prompts have them; positions
+        # and pixels on the device (bench prefix's naive path adds device positions to them)
         position_ids=positions.to(device),
         next_position=nxt,
         content_key=f"synthetic-{seed}",

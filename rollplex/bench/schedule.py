@@ -149,7 +149,11 @@ class _Workload:
 
 def default_row(name: str, device: torch.device) -> tuple[_Workload, Roles, Callable]:
     """The default workload on ``device``, with row ``name``'s roles and step function (for scripts that
-    probe one row)."""
+    probe one row).
+
+    Raises:
+        KeyError: ``name`` is not a row of ``ROWS``.
+    """
     cfg = ScheduleBenchConfig()
     work = _Workload(cfg, device)
     roles = work.roles(ROWS[name], cfg)

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from rollplex.models.vision_layout import to_device
+from rollplex.models.transfer import stream_key, to_device
 
 ATTENTION_NAME = "rollplex"
 
@@ -322,10 +322,11 @@ class ChunkPlan:
 
 
 _PLANS: dict[tuple, tuple[weakref.ref, int, ChunkPlan]] = {}
-# plans kept at most, over all streams and threads: two boundary tensors (windows, frames) per vision
-# forward whose recompute is still to come (the rollplex schedule keeps every group's actor prefix
-# until its backward)
-_PLAN_SLOTS = 64
+# plans kept at most, over all streams and threads: two boundary tensors (windows, frames) per video
+# grid that models.vision_layout keeps (64 grids, whose tensors stay alive while kept there), or, for
+# boundary tensors made per forward, per vision forward whose recompute is still to come (the rollplex
+# schedule keeps every group's actor prefix until its backward)
+_PLAN_SLOTS = 128
 _PLAN_LOCK = threading.Lock()  # the rollplex schedule runs vision towers on two threads
 
 
@@ -351,21 +352,37 @@ def chunk_plan(bounds: torch.Tensor, seq: int, device: torch.device) -> ChunkPla
     kept = _PLANS.get(key) if keep else None
     if kept is not None and kept[0]() is bounds and kept[1] == bounds._version and kept[2].seq == seq:
         return kept[2]
-    buckets = _buckets(bounds.tolist(), seq)
-    index = None
-    if not (len(buckets) == 1 and len(buckets[0][1]) * buckets[0][0] == seq):
-        host = torch.tensor([i for length, starts in buckets for s in starts for i in range(s, s + length)])
-        index = to_device(host, device)
-    plan = ChunkPlan(seq, buckets, index)
+    plan = _make_plan(bounds.tolist(), seq, device)
     if keep:
         _keep(key, bounds, plan)
     return plan
 
 
+def keep_plan(bounds: torch.Tensor, host: list[int], device: torch.device) -> None:
+    """Make and keep the ``ChunkPlan`` of the boundary tensor ``bounds`` (int [C + 1]) from ``host``, its
+    values already on the host, for a sequence of ``host[-1]`` tokens on ``device`` and the current
+    stream: ``chunk_plan`` then finds it without reading ``bounds`` back (models.vision_layout). Nothing
+    is kept for an inference tensor (``chunk_plan`` makes those every call).
+
+    Raises:
+        ValueError: the boundaries do not cover ``host[-1]`` tokens (``_buckets``).
+    """
+    if not bounds.is_inference():
+        _keep(_plan_key(bounds, device), bounds, _make_plan(host, host[-1], device))
+
+
+def _make_plan(bounds: list[int], seq: int, device: torch.device) -> ChunkPlan:
+    buckets = _buckets(bounds, seq)
+    index = None
+    if not (len(buckets) == 1 and len(buckets[0][1]) * buckets[0][0] == seq):
+        host = torch.tensor([i for length, starts in buckets for s in starts for i in range(s, s + length)])
+        index = to_device(host, device)
+    return ChunkPlan(seq, buckets, index)
+
+
 def _plan_key(bounds: torch.Tensor, device: torch.device) -> tuple:
     """The key of the plan of ``bounds`` for a sequence on ``device``, on the current stream."""
-    stream = torch.cuda.current_stream(device).stream_id if device.type == "cuda" else 0
-    return id(bounds), device.type, device.index, stream
+    return id(bounds), *stream_key(device)
 
 
 def _keep(key: tuple, bounds: torch.Tensor, plan: ChunkPlan) -> None:

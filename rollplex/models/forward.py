@@ -33,7 +33,8 @@ from rollplex.models.attention import (
 )
 from rollplex.models.compiled import layers_compiled, refuse_foreign_forwards, set_layer_compilation
 from rollplex.models.positions import response_positions
-from rollplex.models.vision_layout import to_device, vision_layout
+from rollplex.models.transfer import to_device
+from rollplex.models.vision_layout import vision_layout
 from rollplex.models.vision_mlp import set_vision_mlp_padding
 from rollplex.observe.metrics import profiled
 from rollplex.rollout.sampler import entropy as entropy_of

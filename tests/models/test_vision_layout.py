@@ -30,11 +30,6 @@ def _tiny(vision_attention: str):
     return model
 
 
-@pytest.fixture(autouse=True)
-def _fresh(monkeypatch):
-    monkeypatch.setattr(layouts, "_LAYOUTS", type(layouts._LAYOUTS)())
-
-
 @pytest.mark.parametrize("vision_attention", ["batched", "per_chunk"])
 @pytest.mark.parametrize("grids", GRIDS)
 def test_the_tower_given_the_layout_computes_what_it_derives(vision_attention, grids):
@@ -70,9 +65,66 @@ def test_layouts_are_kept_per_grid(monkeypatch):
     assert vision_layout(visual, torch.tensor([(1, 8, 8)]), cpu) is not other
 
 
+def test_the_key_holds_the_tower_settings_and_the_device(monkeypatch):
+    """Another window size or attention backend, or another device, gets its own layout."""
+    visual = _tiny("batched").model.visual
+    grid, cpu = torch.tensor([(2, 12, 20)]), torch.device("cpu")
+    first = vision_layout(visual, grid, cpu)
+    assert vision_layout(visual, grid, torch.device("meta")) is not first
+    monkeypatch.setattr(visual, "window_size", visual.window_size * 2)
+    wider = vision_layout(visual, grid, cpu)
+    assert wider is not first and not torch.equal(wider.cu_window_seqlens, first.cu_window_seqlens)
+    monkeypatch.setattr(visual, "window_size", visual.window_size // 2)
+    monkeypatch.setattr(visual.config, "_attn_implementation", "sdpa")
+    per_chunk = vision_layout(visual, grid, cpu)
+    assert per_chunk is not first and per_chunk.max_seqlen is None and first.max_seqlen is not None
+
+
+def test_the_first_pass_reads_no_boundaries_back(monkeypatch):
+    """The batched attention's chunk plans are made from the boundaries' host values with the layout,
+    so even the first forward over a grid finds them kept (``chunk_plan`` reads no boundary tensor)."""
+    from rollplex.models import attention
+
+    model = _tiny("batched")
+    grid_thw = torch.tensor([(2, 12, 20)])
+    pixels = torch.randn(int(grid_thw.prod()), 3 * 2 * 14 * 14, dtype=torch.float64)
+    layout = vision_layout(model.model.visual, grid_thw, pixels.device)
+    kept = {ref() for ref, _, _ in attention._PLANS.values()}
+    assert any(t is layout.cu_seqlens for t in kept) and any(t is layout.cu_window_seqlens for t in kept)
+    made = []
+    make = attention._make_plan
+    monkeypatch.setattr(attention, "_make_plan", lambda *args: made.append(args) or make(*args))
+    out = _vision_output(model, pixels, grid_thw)
+    assert made == []  # chunk_plan found both plans: it read no boundaries and made none
+    assert torch.equal(out, model.model.visual(pixels, grid_thw=grid_thw).pooler_output)
+
+
+def test_a_layout_made_in_inference_mode_serves_training():
+    """Made under ``torch.inference_mode`` (a caller's evaluation), the kept tensors are ordinary ones: a
+    later pass over the grid with gradients can save them for backward."""
+    model = _tiny("batched")
+    grid_thw = torch.tensor([(2, 12, 20)])
+    pixels = torch.randn(int(grid_thw.prod()), 3 * 2 * 14 * 14, dtype=torch.float64)
+    with torch.inference_mode():
+        _vision_output(model, pixels, grid_thw)
+    out = _vision_output(model, pixels.requires_grad_(True), grid_thw)
+    out.square().sum().backward()
+    assert pixels.grad is not None
+
+
+def test_a_placeholder_count_unlike_the_features_is_refused():
+    """B06: the prompt's placeholders of a vision token must match the tower's features one to one."""
+    from rollplex.models.forward import _placeholders
+
+    ids = torch.tensor([5, 7, 7, 7, 6])
+    assert _placeholders(ids, 7, 3, torch.device("cpu")).tolist() == [1, 2, 3]
+    with pytest.raises(ValueError, match="3 placeholders of id 7 but 4 features"):
+        _placeholders(ids, 7, 4, torch.device("cpu"))
+
+
 def test_passes_over_one_grid_read_its_boundaries_once(monkeypatch):
     """Rollout, reference and actor each run the tower on a group's video: the boundary tensors of the
-    kept layout are the same objects every pass, so ``chunk_plan`` reads them in the first pass only
+    kept layout are the same objects every pass, so their plans are made once, from their host values
     (two tensors: windows and whole frames); without the layout every forward read two new ones."""
     model = _tiny("batched")
     reference = copy.deepcopy(model)
