@@ -145,6 +145,33 @@ def test_device_sums_are_bitwise_the_host_sums():
             assert str(got[name]) == str(value), (case, name)  # bitwise, -0.0 and NaN included
 
 
+def test_actor_backward_sums_its_micro_batches_from_zero(batch, monkeypatch):
+    """``actor_backward`` starts its running sums at zero and adds each micro-batch's vector: planted
+    vectors (a loss of -0.0 in each, a NaN maximum in the first) give what the host's sums from 0.0 gave."""
+    from rollplex import phases
+
+    nan = float("nan")
+    planted = iter(
+        torch.tensor(v, dtype=torch.float64)
+        for v in (
+            [-0.0, 1.0, 2.0, 3.0, nan, 0.5, 4.0],
+            [-0.0, 1.5, 0.0, 1.0, 0.25, 0.25, 3.0],
+            [-0.0, 0.5, 1.0, 2.0, 0.125, 0.125, 2.0],
+        )
+    )
+    monkeypatch.setattr(phases, "_micro_sums", lambda *args: next(planted))
+    roles, scored = batch
+    stats = _actor_stats(roles, scored, 1)
+    assert str(stats.loss) == "0.0" and stats.logprob_diff_max == 0.25
+    assert (stats.kl, stats.clip_fraction, stats.entropy, stats.logprob_diff_sum, stats.tokens) == (
+        3.0,
+        3.0,
+        6.0,
+        0.875,
+        9,
+    )
+
+
 def test_micro_batch_sums_by_hand():
     """Two micro-batches of hand-made values: sums of the masked entries, the larger maximum, counts."""
     from rollplex.phases import _add_sums, _micro_sums, _stats
@@ -168,6 +195,9 @@ def test_micro_batch_sums_by_hand():
         torch.tensor([[-3.125, 0.0, 0.0]]),
         torch.tensor([[True, False, False]]),
     )
+    none, no = torch.zeros(1, 0), torch.zeros(1, 0, dtype=torch.bool)
+    empty = _micro_sums(torch.tensor(0.0), none, no, none, none, none, no)
+    assert empty.tolist() == [0.0] * 7  # a micro-batch without tokens adds nothing, its maximum 0
     stats = _stats(_add_sums(first, second))
     assert stats.loss == 0.25 and stats.tokens == 3 and stats.clip_fraction == 2.0
     assert stats.kl == pytest.approx(0.6, abs=1e-7) and stats.entropy == 7.0

@@ -351,6 +351,9 @@ def chunk_plan(bounds: torch.Tensor, seq: int, device: torch.device) -> ChunkPla
     keep = not bounds.is_inference()
     kept = _PLANS.get(key) if keep else None
     if kept is not None and kept[0]() is bounds and kept[1] == bounds._version and kept[2].seq == seq:
+        with _PLAN_LOCK:  # the most recently used last: the oldest unused plan goes first
+            if key in _PLANS:
+                _PLANS[key] = _PLANS.pop(key)
         return kept[2]
     plan = _make_plan(bounds.tolist(), seq, device)
     if keep:
@@ -372,11 +375,16 @@ def keep_plan(bounds: torch.Tensor, host: list[int], device: torch.device) -> No
 
 
 def _make_plan(bounds: list[int], seq: int, device: torch.device) -> ChunkPlan:
+    """The plan of boundaries ``bounds``; its token order is an ordinary tensor even under inference mode
+    (a kept plan serves later passes with gradients)."""
     buckets = _buckets(bounds, seq)
     index = None
     if not (len(buckets) == 1 and len(buckets[0][1]) * buckets[0][0] == seq):
-        host = torch.tensor([i for length, starts in buckets for s in starts for i in range(s, s + length)])
-        index = to_device(host, device)
+        with torch.inference_mode(False), torch.no_grad():
+            host = torch.tensor(
+                [i for length, starts in buckets for s in starts for i in range(s, s + length)]
+            )
+            index = to_device(host, device)
     return ChunkPlan(seq, buckets, index)
 
 
@@ -387,7 +395,7 @@ def _plan_key(bounds: torch.Tensor, device: torch.device) -> tuple:
 
 def _keep(key: tuple, bounds: torch.Tensor, plan: ChunkPlan) -> None:
     """Keep ``plan`` under ``key`` (newest last), dropping the plans of boundary tensors that are gone and
-    the oldest beyond ``_PLAN_SLOTS``."""
+    the least recently used beyond ``_PLAN_SLOTS``."""
     with _PLAN_LOCK:
         for dead in [k for k, (ref, _, _) in _PLANS.items() if ref() is None]:
             del _PLANS[dead]  # their boundary tensors are gone: free the token orders

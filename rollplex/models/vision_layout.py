@@ -77,8 +77,8 @@ def vision_layout(visual, grid_thw: torch.Tensor, device: torch.device) -> Visio
 
     A grid on the host costs no wait for the device; a grid on the device is read back once per call.
     The tensors were copied on the stream that made them, so the key includes it, as chunk plans do.
-    They are made outside inference mode, so a layout first made under ``torch.inference_mode`` serves
-    a later training pass too.
+    They are made outside inference mode and without autograd, so a layout first made under
+    ``torch.inference_mode`` serves a later training pass too.
 
     Raises:
         RuntimeError: a grid whose height or width is not a multiple of the merge size (transformers).
@@ -96,7 +96,9 @@ def vision_layout(visual, grid_thw: torch.Tensor, device: torch.device) -> Visio
         if key in _LAYOUTS:
             _LAYOUTS.move_to_end(key)
             return _LAYOUTS[key]
-    with torch.inference_mode(False):
+        while len(_LAYOUTS) >= _LAYOUT_SLOTS:  # before the new plans are kept: the old ones can go
+            _LAYOUTS.popitem(last=False)
+    with torch.inference_mode(False), torch.no_grad():
         position_ids = vu.get_vision_position_ids(host, visual.spatial_merge_size)
         cu_seqlens, max_seqlen = vu.get_vision_attention_seqlens(host, config)
         window_index, cu_window_seqlens = vu.get_vision_window_index(
@@ -107,7 +109,7 @@ def vision_layout(visual, grid_thw: torch.Tensor, device: torch.device) -> Visio
         )
         max_window_seqlen = get_max_seqlen(cu_window_seqlens, config, kwarg_name="max_window_seqlen")
         layout = VisionLayout(
-            grid=to_device(host, device),
+            grid=to_device(host, device) if device.type != "cpu" else host.clone(),  # never the caller's
             position_ids=to_device(position_ids, device),
             cu_seqlens=to_device(cu_seqlens, device),
             max_seqlen=max_seqlen,
@@ -120,6 +122,6 @@ def vision_layout(visual, grid_thw: torch.Tensor, device: torch.device) -> Visio
             keep_plan(layout.cu_window_seqlens, cu_window_seqlens.tolist(), device)
     with _LOCK:
         _LAYOUTS[key] = layout
-        while len(_LAYOUTS) > _LAYOUT_SLOTS:
+        while len(_LAYOUTS) > _LAYOUT_SLOTS:  # another thread kept one meanwhile
             _LAYOUTS.popitem(last=False)
     return layout

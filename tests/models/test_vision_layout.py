@@ -112,6 +112,69 @@ def test_a_layout_made_in_inference_mode_serves_training():
     assert pixels.grad is not None
 
 
+def test_a_plan_remade_in_inference_mode_serves_training():
+    """A layout whose chunk plans are gone (evicted) gets them again from ``chunk_plan`` in the next
+    pass; made there under inference mode, they still serve a later pass with gradients."""
+    from rollplex.models import attention
+
+    model = _tiny("batched")
+    grid_thw = torch.tensor([(2, 12, 20)])
+    pixels = torch.randn(int(grid_thw.prod()), 3 * 2 * 14 * 14, dtype=torch.float64)
+    _vision_output(model, pixels, grid_thw)
+    attention._PLANS.clear()
+    with torch.inference_mode():
+        _vision_output(model, pixels, grid_thw)
+    _vision_output(model, pixels.requires_grad_(True), grid_thw).square().sum().backward()
+    assert pixels.grad is not None
+
+
+def _plans_kept(layout) -> bool:
+    from rollplex.models import attention
+
+    kept = {id(ref()) for ref, _, _ in attention._PLANS.values()}
+    return id(layout.cu_seqlens) in kept and id(layout.cu_window_seqlens) in kept
+
+
+def test_kept_layouts_keep_their_plans(monkeypatch):
+    """Every kept grid keeps both chunk plans; a layout used more recently than another outlives it, plans
+    included, when a new grid comes (layouts and plans both go least recently used first)."""
+    from rollplex.models import attention
+
+    monkeypatch.setattr(layouts, "_LAYOUT_SLOTS", 2)
+    monkeypatch.setattr(attention, "_PLAN_SLOTS", 4)
+    model = _tiny("batched")
+    grids = [torch.tensor([g]) for g in [(2, 12, 20), (1, 8, 8), (4, 16, 12)]]
+    pixels = [torch.randn(int(g.prod()), 3 * 2 * 14 * 14, dtype=torch.float64) for g in grids]
+    a, b = (vision_layout(model.model.visual, g, torch.device("cpu")) for g in grids[:2])
+    assert _plans_kept(a) and _plans_kept(b)
+    _vision_output(model, pixels[0], grids[0])  # a is used: b is now the least recently used
+    c = vision_layout(model.model.visual, grids[2], torch.device("cpu"))
+    assert _plans_kept(a) and _plans_kept(c) and not _plans_kept(b)
+    made = []
+    make = attention._make_plan
+    monkeypatch.setattr(attention, "_make_plan", lambda *args: made.append(args) or make(*args))
+    _vision_output(model, pixels[0], grids[0])
+    assert made == []
+
+
+def test_all_kept_grids_keep_their_plans():
+    """At the default slots, many kept grids (here 40) keep both plans each."""
+    visual = _tiny("batched").model.visual
+    kept = [vision_layout(visual, torch.tensor([(2, 8, 8 + 2 * i)]), torch.device("cpu")) for i in range(40)]
+    assert all(_plans_kept(layout) for layout in kept)
+
+
+def test_a_device_without_an_index_is_keyed_as_the_current_one(monkeypatch):
+    from rollplex.models.transfer import stream_key
+
+    class Stream:
+        stream_id = 7
+
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda index=None: Stream())
+    assert stream_key(torch.device("cuda")) == stream_key(torch.device("cuda", 0)) == ("cuda", 0, 7)
+
+
 def test_a_placeholder_count_unlike_the_features_is_refused():
     """B06: the prompt's placeholders of a vision token must match the tower's features one to one."""
     from rollplex.models.forward import _placeholders
