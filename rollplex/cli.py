@@ -274,8 +274,11 @@ def _add_train(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "items", nargs="*", metavar="[CONFIG.yaml] [key=value]", help="config file, then overrides"
     )
-    p.add_argument("--resume", action="store_true", help="continue from the run folder's latest checkpoint")
-    p.add_argument(
+    start = p.add_mutually_exclusive_group()
+    start.add_argument(
+        "--resume", action="store_true", help="continue from the run folder's latest checkpoint"
+    )
+    start.add_argument(
         "--overwrite", action="store_true", help="start over in a run folder that already holds a run"
     )
     p.add_argument(

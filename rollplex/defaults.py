@@ -37,6 +37,7 @@ def _build_once(target: Path, build) -> Path:
     """Run ``build(tmp)`` into a temporary sibling and rename it to ``target`` (atomic); skip if present."""
     if target.exists():
         return target
+    print(f"rollplex: preparing the embedded default job's {target.name} in {target} (once)", flush=True)
     tmp = target.with_name(target.name + f".tmp-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.parent.mkdir(parents=True, exist_ok=True)

@@ -235,9 +235,19 @@ def test_overrides_may_follow_resume(monkeypatch, tmp_path):
     data.write_text("[]")
     config = tmp_path / "run.yaml"
     config.write_text(f"model:\n  path: {model}\ndata:\n  train_path: {data}\n")
-    assert main(["train", str(config), "--resume", "run.steps=8", "--overwrite"]) == 0
-    cfg, resume, overwrite = calls[0]
-    assert cfg.run.steps == 8 and resume and overwrite
+    assert main(["train", str(config), "--resume", "run.steps=8"]) == 0
+    assert main(["train", str(config), "run.steps=9", "--overwrite"]) == 0
+    (cfg, resume, overwrite), (cfg2, resume2, overwrite2) = calls
+    assert cfg.run.steps == 8 and resume and not overwrite
+    assert cfg2.run.steps == 9 and overwrite2 and not resume2
+
+
+def test_resume_and_overwrite_together_are_refused(capsys):
+    """Continuing a run and starting it over exclude each other: refused before anything runs."""
+    with pytest.raises(SystemExit) as stop:
+        main(["train", "--resume", "--overwrite"])
+    assert stop.value.code == 2
+    assert "not allowed with argument" in capsys.readouterr().err
 
 
 def test_bench_schedule_options_reach_the_config(monkeypatch):
@@ -279,3 +289,17 @@ def test_bench_schedule_options_reach_the_config(monkeypatch):
     assert (seen[0].vision_attention, seen[1].vision_attention) == ("batched", "per_chunk")
     assert (seen[0].vision_mlp_padding, seen[1].vision_mlp_padding) == (True, False)
     assert (seen[0].compile_mode, seen[1].compile_mode) == ("default", "max-autotune")
+
+
+def test_the_default_jobs_preparation_is_announced_once(tmp_path, capsys):
+    """The first ``rollplex train`` without a config builds the cache: one line says what and where;
+    a prepared cache is used silently."""
+    from rollplex.defaults import _build_once
+
+    target = tmp_path / "data"
+    _build_once(target, lambda out: out.mkdir())
+    assert (
+        capsys.readouterr().out == f"rollplex: preparing the embedded default job's data in {target} (once)\n"
+    )
+    _build_once(target, lambda out: out.mkdir())
+    assert capsys.readouterr().out == "" and target.is_dir()
