@@ -202,3 +202,27 @@ def test_micro_batch_sums_by_hand():
     assert stats.loss == 0.25 and stats.tokens == 3 and stats.clip_fraction == 2.0
     assert stats.kl == pytest.approx(0.6, abs=1e-7) and stats.entropy == 7.0
     assert stats.logprob_diff_max == 0.5 and stats.logprob_diff_sum == 0.875
+
+
+def test_the_first_update_is_exactly_on_policy(batch):
+    """Without behaviour log-probs (one update per batch) the ratio is exactly 1: no token is clipped,
+    and each micro-batch's loss is bitwise the aggregate of −A over its tokens (the KL term is exactly 0
+    at step 0, where the reference is the actor); a ratio off 1 by the rollout's last-bit differences
+    would change it."""
+    from rollplex.algo.losses import aggregate
+
+    roles, scored = batch
+    algo = roles.config.algo
+    assert algo.loss_agg == "token-mean" and algo.mini_batches == 1
+    stats = _actor_stats(roles, scored, 1)
+    assert stats.clip_fraction == 0.0 and stats.tokens == 18 and stats.kl == 0.0
+    mask, n = scored.rollout.response_mask(), scored.rollout.group_size
+    dtype = scored.rollout.logprobs.dtype
+    want = 0.0
+    for g in range(3):
+        rows = slice(g * n, (g + 1) * n)
+        loss_tok = -scored.advantages[rows, None].to(dtype).expand(n, mask.shape[1])
+        want += float(
+            aggregate(loss_tok, mask[rows], "token-mean", num_tokens=18, num_seqs=6, horizon=mask.shape[1])
+        )
+    assert stats.loss == want
