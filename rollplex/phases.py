@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import torch
 
@@ -274,8 +274,9 @@ def actor_backward(
     return _stats(sums)
 
 
-# ActorStats fields in the order of _micro_sums' vector; logprob_diff_max is a maximum, the rest sums
-_SUM_FIELDS = ("loss", "kl", "clip_fraction", "entropy", "logprob_diff_max", "logprob_diff_sum", "tokens")
+# _micro_sums' vector holds the ActorStats fields in their declared order; logprob_diff_max is a
+# maximum, the rest sums
+_SUM_FIELDS = tuple(f.name for f in fields(ActorStats))
 _MAX_FIELD = _SUM_FIELDS.index("logprob_diff_max")
 
 
