@@ -119,6 +119,7 @@ WORKLOAD_FIELDS = (
     "vision_attention",
     "vision_mlp_padding",
     "compile_layers",
+    "compile_scope",
 )
 
 
@@ -170,7 +171,7 @@ def _bench_decode(args: argparse.Namespace) -> None:
 
 
 def _add_workload_arguments(p: argparse.ArgumentParser) -> None:
-    from rollplex.config import VISION_ATTENTION
+    from rollplex.config import COMPILE_SCOPES, VISION_ATTENTION
 
     p.add_argument("--preset", choices=PRESETS, help="model size (default qwen2.5-vl-3b)")
     p.add_argument("--groups", type=int, help="prompt groups G (default 8)")
@@ -192,8 +193,14 @@ def _add_workload_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--compile-layers",
         action=argparse.BooleanOptionalAction,
-        help="layers' norms, attention modules and MLPs compiled for the prefix, suffix and training passes "
+        help="decoder layers and vision blocks compiled for the prefix, suffix and training passes "
         "(default on, CUDA only; model.compile_layers)",
+    )
+    p.add_argument(
+        "--compile-scope",
+        choices=COMPILE_SCOPES,
+        help="a whole layer per compiled function, or its norms, attention module and MLP apart "
+        "(default layer; model.compile_scope)",
     )
     p.add_argument("--out", type=Path, help="write the results as JSON here")
 
@@ -221,7 +228,8 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--rows",
         help="comma-separated rows among serial,overlap,fusion,both,auto,both-same-priority,both-chunked,"
-        "both-carveout,both-green,serial-eager,both-eager (default serial,overlap,fusion,both,auto)",
+        "both-carveout,both-green,serial-eager,both-eager,serial-parts,both-parts (default serial,overlap,fusion,"
+        "both,auto)",
     )
     p.add_argument(
         "--compile-decode",

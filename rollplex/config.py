@@ -55,6 +55,7 @@ def _field(default: Any, help: str, **limits: Any) -> Any:
 
 VISION_ATTENTION = ("per_chunk", "batched")  # model.vision_attention (models.forward.prepare_model)
 DECODE_ATTENTION = ("auto", "dense", "triton")  # rollout.decode_attention (rollout.decode.StaticDecoder)
+COMPILE_SCOPES = ("layer", "parts")  # model.compile_scope (models.compiled.SCOPES)
 COMPILE_MODES = ("default", "max-autotune")  # rollout.compile_mode (rollout.decode._compiled_layer)
 
 
@@ -146,9 +147,16 @@ class ModelConfig:
     )
     compile_layers: bool = _field(
         True,
-        "run each layer's norms, attention module and MLP compiled by torch.compile for the prefix, suffix "
-        "and training passes (CUDA only; fused elementwise kernels, same values up to rounding; the first "
-        "step compiles them)",
+        "run each decoder layer and vision block compiled by torch.compile for the prefix, suffix and "
+        "training passes (CUDA only; fused elementwise kernels, same values up to rounding; the first step "
+        "compiles them)",
+    )
+    compile_scope: str = _field(
+        "layer",
+        "what one compiled function covers with compile_layers: layer (a whole decoder layer or vision "
+        "block, two graphs around its attention call) or parts (its norms, attention module and MLP apart, "
+        "five graphs; more host work per layer)",
+        choices=COMPILE_SCOPES,
     )
 
 

@@ -60,12 +60,13 @@ def load_model(
     vision_attention: str = "batched",
     vision_mlp_padding: bool = True,
     compile_layers: bool = False,
+    compile_scope: str = "layer",
 ):
     """A Qwen2.5-VL checkpoint folder as a model routed through rollplex attention (``prepare_model``)."""
     from transformers import Qwen2_5_VLForConditionalGeneration
 
     model = Qwen2_5_VLForConditionalGeneration.from_pretrained(path, dtype=dtype).to(device)
-    prepare_model(model, vision_attention, vision_mlp_padding, compile_layers)
+    prepare_model(model, vision_attention, vision_mlp_padding, compile_layers, compile_scope)
     model.train(False)
     model.requires_grad_(trainable)
     return model
@@ -154,6 +155,7 @@ def build_run(cfg: Config) -> Run:
         "vision_attention": cfg.model.vision_attention,
         "vision_mlp_padding": cfg.model.vision_mlp_padding,
         "compile_layers": compiles_layers(cfg.model.compile_layers, device),
+        "compile_scope": cfg.model.compile_scope,
     }
     actor = load_model(cfg.model.path, dtype, device, trainable=True, **vision)
     if cfg.model.freeze_vision:

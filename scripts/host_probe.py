@@ -11,10 +11,7 @@ Usage (CUDA): python scripts/host_probe.py OUT_PREFIX   # writes OUT_PREFIX.sync
 
 from __future__ import annotations
 
-import cProfile
 import gc
-import io
-import pstats
 import time
 import traceback
 import warnings
@@ -22,7 +19,7 @@ from collections import Counter
 
 import torch
 
-from rollplex.bench.common import cuda_script_args
+from rollplex.bench.common import cprofile_report, cuda_script_out_prefix
 from rollplex.bench.schedule import default_row
 from rollplex.observe.metrics import PhaseTimer
 
@@ -125,27 +122,9 @@ def main(out: str) -> None:
         f.write(syncs + "\n")
     for i in range(3):
         run(f"plain {i}")
-    prof = cProfile.Profile()
-    prof.enable()
-    run("cprofiled")
-    prof.disable()
-    text = io.StringIO()
-    stats = pstats.Stats(prof, stream=text)
-    stats.sort_stats("tottime").print_stats(45)
-    stats.sort_stats("cumulative").print_stats(70)
-    with open(out + ".cprofile.txt", "w") as f:
-        f.write(text.getvalue())
-    print(text.getvalue()[:3000], flush=True)
+    text = cprofile_report(lambda: run("cprofiled"), out + ".cprofile.txt", 45, 70)
+    print(text[:3000], flush=True)
 
 
 if __name__ == "__main__":
-    main(
-        cuda_script_args(
-            __doc__,
-            lambda p: p.add_argument(
-                "out_prefix",
-                metavar="OUT_PREFIX",
-                help="write OUT_PREFIX.syncs.txt and OUT_PREFIX.cprofile.txt",
-            ),
-        ).out_prefix
-    )
+    main(cuda_script_out_prefix(__doc__, "OUT_PREFIX.syncs.txt and OUT_PREFIX.cprofile.txt"))

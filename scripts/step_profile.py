@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from rollplex.bench.common import cuda_script_args
+from rollplex.bench.common import cuda_script_out_prefix
 from rollplex.bench.schedule import default_row
 from rollplex.observe.idle import gap_table
 from rollplex.observe.metrics import PhaseTimer
@@ -46,11 +46,4 @@ def main(out: str) -> None:
 
 
 if __name__ == "__main__":
-    main(
-        cuda_script_args(
-            __doc__,
-            lambda p: p.add_argument(
-                "out_prefix", metavar="OUT_PREFIX", help="write OUT_PREFIX.gaps.txt and OUT_PREFIX.ops.txt"
-            ),
-        ).out_prefix
-    )
+    main(cuda_script_out_prefix(__doc__, "OUT_PREFIX.gaps.txt and OUT_PREFIX.ops.txt"))

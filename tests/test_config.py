@@ -42,6 +42,7 @@ SPEC_DEFAULTS = {
         "vision_attention": "batched",
         "vision_mlp_padding": True,
         "compile_layers": True,
+        "compile_scope": "layer",
     },
     "data": {
         "train_path": "", "val_path": "", "data_root": "", "template": "video_r1", "max_prompt_tokens": 8192,

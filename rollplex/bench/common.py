@@ -39,6 +39,7 @@ class Workload:
     vision_attention: str = "batched"  # model.vision_attention
     vision_mlp_padding: bool = True  # model.vision_mlp_padding
     compile_layers: bool = True  # model.compile_layers (CUDA only)
+    compile_scope: str = "layer"  # model.compile_scope
 
 
 def bench_device(preset: str) -> torch.device:
@@ -65,6 +66,7 @@ def random_model(
     vision_attention: str = "batched",
     vision_mlp_padding: bool = True,
     compile_layers: bool = False,
+    compile_scope: str = "layer",
 ):
     """Preset ``preset`` with random weights built directly on ``device``, routed through rollplex
     attention (``prepare_model``; ``compile_layers`` applies on CUDA only), in inference mode (dropout
@@ -72,7 +74,9 @@ def random_model(
     from rollplex.models.presets import init_model
 
     model = init_model(preset, seed=seed, dtype=dtype, device=device)
-    prepare_model(model, vision_attention, vision_mlp_padding, compiles_layers(compile_layers, device))
+    prepare_model(
+        model, vision_attention, vision_mlp_padding, compiles_layers(compile_layers, device), compile_scope
+    )
     model.train(False)
     return model
 
@@ -86,6 +90,7 @@ def workload_model(cfg: Workload, device: torch.device):
         vision_attention=cfg.vision_attention,
         vision_mlp_padding=cfg.vision_mlp_padding,
         compile_layers=cfg.compile_layers,
+        compile_scope=cfg.compile_scope,
     )
 
 
@@ -219,6 +224,36 @@ def cuda_script_args(
     if not torch.cuda.is_available():
         parser.error("needs a CUDA device, and none is visible")
     return args
+
+
+def cuda_script_out_prefix(doc: str, writes: str) -> str:
+    """``cuda_script_args`` for a script whose one argument is OUT_PREFIX, the start of the paths it
+    writes (``writes`` says which, in ``--help``); returns it."""
+    return cuda_script_args(
+        doc, lambda p: p.add_argument("out_prefix", metavar="OUT_PREFIX", help=f"write {writes}")
+    ).out_prefix
+
+
+def cprofile_report(run: Callable[[], object], path: str, own_rows: int, cumulative_rows: int) -> str:
+    """Run ``run`` under cProfile; write its functions by own time (``own_rows`` of them), then by
+    cumulative time (``cumulative_rows``), to ``path``, and return that text."""
+    import cProfile
+    import io
+    import pstats
+
+    profile = cProfile.Profile()
+    profile.enable()
+    try:
+        run()
+    finally:
+        profile.disable()
+    text = io.StringIO()
+    stats = pstats.Stats(profile, stream=text)
+    stats.sort_stats("tottime").print_stats(own_rows)
+    stats.sort_stats("cumulative").print_stats(cumulative_rows)
+    with open(path, "w") as f:
+        f.write(text.getvalue())
+    return text.getvalue()
 
 
 def median(values: list[float]) -> float:

@@ -17,6 +17,9 @@ Rows (each from the same initial weights and optimizer state, same prompts and s
                           them (model.compile_layers off; every other row runs them compiled unless
                           --no-compile-layers)
     both-eager            both, likewise
+    serial-parts          serial, each layer's norms, attention module and MLP compiled apart
+                          (model.compile_scope: parts; every other compiled row compiles whole layers)
+    both-parts            both, likewise
 
 Warm-up iterations (allocator growth, graph capture, compilation, and auto's policy trials) are
 discarded; the table gives the median step time and its spread, the speedup over serial, the Phase-1
@@ -62,6 +65,8 @@ ROWS = {
     "both-green": {**_BOTH, "run.prefix_sms": "half", "run.prefix_chunk_groups": 1},
     "serial-eager": {"run.schedule": "serial", "model.compile_layers": False},
     "both-eager": {**_BOTH, "model.compile_layers": False},
+    "serial-parts": {"run.schedule": "serial", "model.compile_scope": "parts"},
+    "both-parts": {**_BOTH, "model.compile_scope": "parts"},
 }
 MAIN_ROWS = ("serial", "overlap", "fusion", "both", "auto")
 
@@ -133,6 +138,7 @@ class _Workload:
             "rollout.fused_sampling": cfg.fused_sampling,
             "rollout.fused_gate": cfg.fused_gate,
             "model.compile_layers": cfg.compile_layers,
+            "model.compile_scope": cfg.compile_scope,
             **{k: self.sms // 2 if v == "half" else v for k, v in overrides.items()},
         }
         config = load_config(
@@ -140,7 +146,9 @@ class _Workload:
         )
         compiled = compiles_layers(config.model.compile_layers, self.device)
         for model in (self.actor, self.reference):
-            prepare_model(model, cfg.vision_attention, cfg.vision_mlp_padding, compiled)
+            prepare_model(
+                model, cfg.vision_attention, cfg.vision_mlp_padding, compiled, config.model.compile_scope
+            )
         optimizer = MasterWeightAdamW.for_model(self.actor, config.optim)
         sampling = SamplingParams.from_config(config.rollout, (self.eos,), self.eos, self.banned)
         generator = torch.Generator(device=self.device).manual_seed(0)

@@ -1,5 +1,6 @@
-"""Regional compilation of the training-side passes: each layer's norms, attention module and MLP run as
-torch.compile'd functions, so their elementwise work (RMSNorm in float32, RoPE, SiLU gate, bias adds,
+"""Regional compilation of the training-side passes: each decoder layer and vision block (scope
+``layer``), or each one's norms, attention module and MLP (scope ``parts``), run as torch.compile'd
+functions, so their elementwise work (RMSNorm in float32, RoPE, SiLU gate, bias adds, residual adds,
 dtype casts) is fused into a few kernels instead of one kernel per operator.
 
 Why: a kernel profile of one serial GRPO step of the 3B benchmark workload (docs/benchmarks.md) found
@@ -8,12 +9,20 @@ calls, 1.44 s), launched one by one from the host: the prefix and suffix passes 
 actor, their backward and activation-checkpointing's recompute.
 
 What is compiled (PyTorch's "regional compilation": one compiled function per repeated module class,
-shared by every layer): in each decoder layer ``input_layernorm``, ``self_attn``,
-``post_attention_layernorm`` and ``mlp``; in each vision block ``norm1``, ``attn``, ``norm2`` and
+shared by every layer): with scope ``layer`` (the default), each decoder layer's and vision block's
+forward; with scope ``parts``, in each decoder layer ``input_layernorm``, ``self_attn``,
+``post_attention_layernorm`` and ``mlp``, and in each vision block ``norm1``, ``attn``, ``norm2`` and
 ``mlp``. The attention functions themselves (``models.attention``: plans with Python state, chunk
-plans read back to the host) stay opaque to torch.compile, so each attention module compiles as its
-projections + RoPE, a graph break around the attention call, and its output projection. The residual
-adds, embeddings, LM head and the decode step (compiled separately, rollout.decode) are untouched.
+plans read back to the host) stay opaque to torch.compile, so a layer compiles as two graphs, before
+and after the attention call (four where torch lacks ``nested_graph_breaks``; scope ``parts``: five,
+plus the residual adds run eagerly). Embeddings,
+the LM head and the decode step (compiled separately, rollout.decode) are untouched.
+
+Why ``layer`` is the default: the prefix passes and the vision backward of the 3B workload are bound by
+the host's pace of launching work, not the device (``scripts/host_lag.py``; docs/benchmarks.md), and
+every compiled graph costs the host its own wrapper, guards and autograd node in forward,
+recomputation and backward. Two graphs per layer instead of five, and the residual adds fused, cut
+that cost.
 
 Each compiled forward is installed as the module instance's ``forward`` (a bound method of the class's
 own forward, compiled), inside any activation checkpoint of the layer, whichever way the transformers
@@ -35,6 +44,11 @@ import torch
 _MARK = "_rollplex_compiled"  # on a module: the compiled function its instance ``forward`` is bound to
 _TEXT_PARTS = ("input_layernorm", "self_attn", "post_attention_layernorm", "mlp")
 _VISION_PARTS = ("norm1", "attn", "norm2", "mlp")
+SCOPES = ("layer", "parts")  # model.compile_scope
+# The attention call breaks the graph inside the attention module, a frame nested in the layer's. With
+# torch's ``nested_graph_breaks`` (in recent releases) tracing resumes inside that frame: two graphs per layer.
+# Without it the break reaches the layer's frame, and the attention module's frame compiles apart: four.
+NESTED_GRAPH_BREAKS = hasattr(torch._dynamo.config, "nested_graph_breaks")
 # Cache entries per compiled function, e.g. for the RMSNorm: rank 2 (vision) or 3 (text) × batch 1 or
 # more × grad mode and inputs requiring grad × prefix or suffix pass (11-17 counted on the CPU,
 # depending on the torch version, whatever the number of layers); torch's default of 8 would leave the
@@ -48,18 +62,31 @@ def compiles_layers(requested: bool, device: torch.device) -> bool:
     return requested and device.type == "cuda"
 
 
+# Inductor rounds to the low-precision dtype wherever eager PyTorch does. Without it, a value fused into
+# its consumer is used unrounded, and whether it is depends on the graph: a training graph saves the
+# residual sum for backward (rounded), an inference graph fuses it into the next norm (not rounded). The
+# detached and attached prefix passes of one prompt would then differ in bf16, and prefill fusion (the
+# attached pass seeding decode) would no longer give the serial schedule's update bitwise.
+_INDUCTOR_OPTIONS = {"emulate_precision_casts": True}
+
+
 @functools.cache
 def _compiled(forward, backend: str | Callable):
     """One compiled function per (class forward, backend), shared by every instance."""
-    return torch.compile(forward, backend=backend, dynamic=True)
+    options = _INDUCTOR_OPTIONS if backend == "inductor" else None
+    return torch.compile(forward, backend=backend, dynamic=True, options=options)
 
 
-def _targets(model) -> list[torch.nn.Module]:
-    """The norms, attention modules and MLPs of every decoder layer and vision block of ``model``.
+def _targets(model, scope: str) -> list[torch.nn.Module]:
+    """The modules compiled under ``scope``: every decoder layer and vision block of ``model``
+    (``layer``), or their norms, attention modules and MLPs (``parts``).
 
     Raises:
-        ValueError: ``model`` is not a Qwen2.5-VL model (a layer or a part of one is missing).
+        ValueError: ``model`` is not a Qwen2.5-VL model (a layer or a part of one is missing), or an
+            unknown ``scope``.
     """
+    if scope not in SCOPES:
+        raise ValueError(f"compile scope {scope!r}: expected one of {SCOPES}")
     try:
         layers = [(layer, _TEXT_PARTS) for layer in model.model.language_model.layers]
         layers += [(block, _VISION_PARTS) for block in model.model.visual.blocks]
@@ -71,7 +98,10 @@ def _targets(model) -> list[torch.nn.Module]:
             module = getattr(owner, name, None)
             if module is None:
                 raise ValueError(f"{type(owner).__name__} has no {name!r}: not a Qwen2.5-VL layer")
-            modules.append(module)
+            if scope == "parts":
+                modules.append(module)
+        if scope == "layer":
+            modules.append(owner)
     return modules
 
 
@@ -81,14 +111,15 @@ def _own_forward(module) -> bool:
     return mark is not None and getattr(forward, "__func__", None) is mark
 
 
-def refuse_foreign_forwards(model) -> None:
-    """Check that compiling ``model``'s layers would overwrite no instance ``forward`` of another origin.
+def refuse_foreign_forwards(model, scope: str = "layer") -> None:
+    """Check that compiling ``model``'s layers under ``scope`` would overwrite no instance ``forward`` of
+    another origin.
 
     Raises:
-        ValueError: a layer module has one (another patch or hook library), named in the message; or
-            ``model`` is not a Qwen2.5-VL model.
+        ValueError: a module to compile has one (another patch or hook library), named in the message;
+            ``model`` is not a Qwen2.5-VL model; or an unknown ``scope``.
     """
-    foreign = [m for m in _targets(model) if "forward" in vars(m) and not _own_forward(m)]
+    foreign = [m for m in _targets(model, scope) if "forward" in vars(m) and not _own_forward(m)]
     if foreign:
         names = {module: name for name, module in model.named_modules()}
         raise ValueError(
@@ -97,15 +128,29 @@ def refuse_foreign_forwards(model) -> None:
         )
 
 
+def compiled_scope(model) -> str | None:
+    """The scope ``set_layer_compilation`` installed compiled forwards on ``model`` under (None: none).
+
+    Raises:
+        ValueError: ``model`` is not a Qwen2.5-VL model.
+    """
+    for scope in SCOPES:
+        if any(_own_forward(m) for m in _targets(model, scope)):
+            return scope
+    return None
+
+
 def layers_compiled(model) -> bool:
     """Whether ``set_layer_compilation`` has installed compiled forwards on ``model``."""
-    return any(_own_forward(m) for m in _targets(model))
+    return compiled_scope(model) is not None
 
 
-def set_layer_compilation(model, on: bool, backend: str | Callable = "inductor") -> int:
-    """Run each layer's norms, attention module and MLP of ``model`` (a Qwen2.5-VL model) compiled
-    (``on``) or as transformers defines them; returns how many modules now run compiled. Calling it
-    again recompiles for the modules' current classes (models.vision_mlp swaps the vision MLP's class).
+def set_layer_compilation(model, on: bool, backend: str | Callable = "inductor", scope: str = "layer") -> int:
+    """Run ``model``'s (a Qwen2.5-VL model's) decoder layers and vision blocks (``scope`` ``layer``),
+    or their norms, attention modules and MLPs (``parts``), compiled (``on``), or every module as
+    transformers defines it; returns how many modules now run compiled. Calling it again removes what
+    it installed before, under either scope, and recompiles for the modules' current classes
+    (models.vision_mlp swaps the vision MLP's class).
 
     Args:
         model: a transformers ``Qwen2_5_VLForConditionalGeneration``.
@@ -113,27 +158,34 @@ def set_layer_compilation(model, on: bool, backend: str | Callable = "inductor")
             ``forward`` of another origin is left as it is).
         backend: torch.compile backend: ``inductor`` (fused kernels), ``aot_eager`` (traced, run by
             the eager kernels; for tests) or a backend callable.
+        scope: ``layer`` (two graphs per layer, around its attention call) or ``parts`` (five, the
+            residual adds eager); ignored when turning it off.
 
     Raises:
-        ValueError: ``model`` is not a Qwen2.5-VL model, or, turning it on, a module has an instance
-            ``forward`` that was not installed here (another patch or hook library; it would be
-            overwritten). Nothing is changed then.
+        ValueError: ``model`` is not a Qwen2.5-VL model, an unknown ``scope``, or, turning it on, a
+            module to compile has an instance ``forward`` that was not installed here (another patch
+            or hook library; it would be overwritten). Nothing is changed then.
 
     Turning it on raises torch's process-wide ``torch._dynamo.config.recompile_limit`` to at least
-    ``RECOMPILE_LIMIT`` (it applies to every compiled function of the process, decode's included).
+    ``RECOMPILE_LIMIT``, and with scope ``layer`` sets its ``nested_graph_breaks`` where the torch
+    release has it (both apply to every compiled function of the process, decode's included).
     """
-    modules = _targets(model)
+    modules = _targets(model, scope)
     if on:
-        refuse_foreign_forwards(model)
+        refuse_foreign_forwards(model, scope)
         limit = torch._dynamo.config.recompile_limit
         torch._dynamo.config.recompile_limit = max(limit, RECOMPILE_LIMIT)
-    for module in modules:
+        if scope == "layer" and NESTED_GRAPH_BREAKS:
+            torch._dynamo.config.nested_graph_breaks = True
+    for module in {id(m): m for s in SCOPES for m in _targets(model, s)}.values():
         if _own_forward(module):
             del module.forward  # back to the class's forward
         if getattr(module, _MARK, None) is not None:
             delattr(module, _MARK)
-        if on:
-            compiled = _compiled(type(module).forward, backend)
-            module.forward = types.MethodType(compiled, module)
-            setattr(module, _MARK, compiled)
-    return len(modules) if on else 0
+    if not on:
+        return 0
+    for module in modules:
+        compiled = _compiled(type(module).forward, backend)
+        module.forward = types.MethodType(compiled, module)
+        setattr(module, _MARK, compiled)
+    return len(modules)

@@ -31,7 +31,13 @@ from rollplex.models.attention import (
     suffix_block_mask,
     suffix_bool_mask,
 )
-from rollplex.models.compiled import layers_compiled, refuse_foreign_forwards, set_layer_compilation
+from rollplex.models.compiled import (
+    SCOPES,
+    compiled_scope,
+    layers_compiled,
+    refuse_foreign_forwards,
+    set_layer_compilation,
+)
 from rollplex.models.positions import response_positions
 from rollplex.models.transfer import to_device
 from rollplex.models.vision_layout import vision_layout
@@ -47,24 +53,30 @@ def prepare_model(
     vision_attention: str = "batched",
     vision_mlp_padding: bool = True,
     compile_layers: bool | None = None,
+    compile_scope: str | None = None,
 ) -> None:
     """Route the language model's attention through rollplex; the vision tower's windows and frames
     through ``models.attention.chunked_attention``, one SDPA call per distinct chunk length
     (``batched``), or through the backend transformers chose when the model was built, one call per
     chunk (``per_chunk``); with ``vision_mlp_padding``, the vision blocks' MLP on zero-padded weights
-    (models.vision_mlp); with ``compile_layers``, each layer's norms, attention module and MLP
-    compiled (models.compiled; None keeps compilation on or off, reinstalled with inductor after the
-    vision MLP's class may have changed). Calling it again switches between these.
+    (models.vision_mlp); with ``compile_layers``, each decoder layer and vision block compiled, whole
+    or by its parts (``compile_scope``, models.compiled; None keeps compilation on or off, and its
+    scope, reinstalled with inductor after the vision MLP's class may have changed). Calling it again
+    switches between these.
 
     Raises:
-        ValueError: an unknown ``vision_attention``, or layers to compile where a layer module has an
-            instance ``forward`` of another origin (models.compiled); nothing is changed then.
+        ValueError: an unknown ``vision_attention`` or ``compile_scope``, or layers to compile where a
+            module to compile has an instance ``forward`` of another origin (models.compiled); nothing
+            is changed then.
     """
     if vision_attention not in VISION_ATTENTION:
         raise ValueError(f"vision_attention {vision_attention!r}: expected one of {VISION_ATTENTION}")
+    scope = compile_scope or compiled_scope(model) or "layer"
+    if scope not in SCOPES:
+        raise ValueError(f"compile_scope {scope!r}: expected one of {SCOPES}")
     compiled = layers_compiled(model) if compile_layers is None else compile_layers
     if compiled:
-        refuse_foreign_forwards(model)  # before anything changes
+        refuse_foreign_forwards(model, scope)  # before anything changes
     register()
     model.config.text_config._attn_implementation = ATTENTION_NAME
     model.model.language_model.config._attn_implementation = ATTENTION_NAME
@@ -75,7 +87,7 @@ def prepare_model(
     model.config.vision_config._attn_implementation = name
     visual._attn_implementation = name
     set_vision_mlp_padding(model, vision_mlp_padding)
-    set_layer_compilation(model, compiled)  # again after a vision MLP class swap
+    set_layer_compilation(model, compiled, scope=scope)  # again after a vision MLP class swap
 
 
 def enable_checkpointing(model) -> None:

@@ -11,7 +11,11 @@ import pytest
 import torch
 
 SCRIPTS = sorted((Path(__file__).resolve().parents[2] / "scripts").glob("*.py"))
-REQUIRED = {"step_profile.py": ["out"], "host_probe.py": ["out"]}  # positional arguments a script needs
+REQUIRED = {
+    "step_profile.py": ["out"],
+    "host_probe.py": ["out"],
+    "host_lag.py": ["out"],
+}  # positional arguments a script needs
 
 
 def _run(monkeypatch, script: Path, args: list[str]) -> int:
@@ -73,3 +77,22 @@ def test_gpu_suite_without_a_gpu_stops_with_one_line():
     assert run.stderr.strip().splitlines() == [
         "gpu_suite.sh: error: needs a CUDA device visible to python3's torch, and none is"
     ]
+
+
+def test_the_cprofile_report_lists_the_run_by_own_and_cumulative_time(tmp_path):
+    from rollplex.bench.common import cprofile_report
+
+    def busy_leaf():
+        return sum(i * i for i in range(20000))
+
+    def run():
+        return [busy_leaf() for _ in range(3)]
+
+    path = tmp_path / "p.cprofile.txt"
+    text = cprofile_report(run, str(path), own_rows=5, cumulative_rows=7)
+    assert path.read_text() == text
+    own, cumulative = text.split("Ordered by: cumulative time")
+    assert "Ordered by: internal time" in own and "(busy_leaf)" in own and "(busy_leaf)" in cumulative
+    assert own.index("(<genexpr>)") < own.index("(busy_leaf)")  # by own time: the squares first
+    with pytest.raises(ZeroDivisionError):  # the run's error reaches the caller; profiling stops
+        cprofile_report(lambda: 1 / 0, str(tmp_path / "q.txt"), 5, 5)

@@ -1,8 +1,9 @@
 """Regional compilation of the layers (models.compiled) against the eager modules.
 
-CPU: the ``aot_eager`` backend (traced, run by the eager kernels) checks the wiring in float64: which
-modules run compiled, log-probs bitwise, gradients through activation checkpointing, a deep copy running
-its own weights, switching off and following the vision MLP's class. CUDA (skipped without it):
+CPU: the ``aot_eager`` backend (traced, run by the eager kernels) checks the wiring in float64, for
+both scopes (whole layers, and their parts): which modules run compiled, how many graphs a layer makes,
+log-probs bitwise, gradients through activation checkpointing, a deep copy running its own weights,
+switching scope and off, and following the vision MLP's class. CUDA (skipped without it):
 inductor's fused kernels against the eager model's full-sequence forward (the oracle), float64 and bf16.
 """
 
@@ -16,8 +17,15 @@ import torch
 from torch._dynamo.backends.registry import lookup_backend
 from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
 
+from rollplex.models import compiled as compiled_module
 from rollplex.models.attention import ATTENTION_NAME, VISION_ATTENTION_NAME
-from rollplex.models.compiled import compiles_layers, layers_compiled, set_layer_compilation
+from rollplex.models.compiled import (
+    NESTED_GRAPH_BREAKS,
+    compiled_scope,
+    compiles_layers,
+    layers_compiled,
+    set_layer_compilation,
+)
 from rollplex.models.forward import enable_checkpointing, prefix_forward, prepare_model, suffix_logprobs
 from rollplex.models.vision_mlp import PaddedVisionMLP
 from tests.numerics.conftest import BANNED, make_prompt, tiny_config
@@ -81,20 +89,26 @@ def _compiled_modules(model) -> list:
     return [m for m in model.modules() if "forward" in vars(m)]
 
 
-def test_compiled_layers_trace_the_same_arithmetic(caplog):
+@pytest.mark.parametrize(
+    ("scope", "modules", "graphs_per_layer"), [("layer", 1, 2 if NESTED_GRAPH_BREAKS else 4), ("parts", 4, 5)]
+)
+def test_compiled_layers_trace_the_same_arithmetic(caplog, scope, modules, graphs_per_layer):
     """Every compiled function really compiles (graphs counted), its variants (for the RMSNorm: rank,
     batch, grad mode, prefix or suffix pass; more than torch's default limit of 8) fit the raised
-    recompile limit, and the numbers are the eager ones."""
-    graphs = []
+    recompile limit, a text layer runs as two graphs around its attention call (``layer``) or five
+    (``parts``), and the numbers are the eager ones."""
+    graphs, calls = [], []
 
     def counting(gm, inputs):
         graphs.append(gm)
-        return lookup_backend("aot_eager")(gm, inputs)
+        compiled = lookup_backend("aot_eager")(gm, inputs)
+        return lambda *args: calls.append(1) or compiled(*args)
 
     eager = _model()
     compiled = copy.deepcopy(eager)
-    assert set_layer_compilation(compiled, True, backend=counting) == 4 * (TEXT_LAYERS + VISION_BLOCKS)
-    assert layers_compiled(compiled) and not layers_compiled(eager)
+    total = modules * (TEXT_LAYERS + VISION_BLOCKS)
+    assert set_layer_compilation(compiled, True, backend=counting, scope=scope) == total
+    assert compiled_scope(compiled) == scope and layers_compiled(compiled) and not layers_compiled(eager)
     prompts, responses = _batch()
     want = _run(eager, prompts, responses)
     with caplog.at_level(logging.WARNING, logger="torch._dynamo"):
@@ -103,6 +117,13 @@ def test_compiled_layers_trace_the_same_arithmetic(caplog):
         got = _run(compiled, prompts, responses)
     assert first > 0 and len(graphs) == first  # the second pass is served from the compile cache
     assert not [r for r in caplog.records if "recompile_limit" in r.getMessage()]
+    layer = compiled.model.language_model.layers[0]
+    with torch.no_grad():
+        layer.register_forward_pre_hook(lambda *_: calls.clear())
+        counted = []
+        layer.register_forward_hook(lambda *_: counted.append(len(calls)))
+        _score(compiled, prompts, responses, attached=False)
+    assert counted and set(counted) == {graphs_per_layer}, counted
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
     assert got[2].keys() == want[2].keys()
     assert any(name.startswith("model.visual.blocks.0.mlp") for name in want[2])
@@ -146,19 +167,49 @@ def test_deep_copy_runs_its_own_weights():
     assert not torch.equal(got, before)
 
 
-def test_switching_off_and_following_the_mlp_class():
+def test_switching_scope_and_off_and_following_the_mlp_class():
     model = _model()
-    prepare_model(model, compile_layers=True)
-    prepare_model(model, vision_attention="per_chunk")  # None: stays compiled
-    assert layers_compiled(model)
-    mlp = model.model.visual.blocks[0].mlp
+    block = model.model.visual.blocks[0]
+    prepare_model(model, compile_layers=True)  # whole layers by default
+    assert compiled_scope(model) == "layer"
+    assert block.forward.__func__._torchdynamo_orig_callable is type(block).forward
+    prepare_model(model, vision_attention="per_chunk")  # None: stays compiled, in its scope
+    assert compiled_scope(model) == "layer"
+    with pytest.raises(ValueError, match="compile_scope 'whole'"):
+        prepare_model(model, vision_attention="batched", compile_scope="whole")
+    assert compiled_scope(model) == "layer"  # nothing changed
+    assert model.model.visual.config._attn_implementation != VISION_ATTENTION_NAME
+    prepare_model(model, compile_scope="parts")  # stays on, in the other scope
+    assert compiled_scope(model) == "parts" and "forward" not in vars(block)
+    mlp = block.mlp
     assert type(mlp) is PaddedVisionMLP
     assert mlp.forward.__func__._torchdynamo_orig_callable is PaddedVisionMLP.forward
     prepare_model(model, vision_mlp_padding=False, compile_layers=True)
     assert mlp.forward.__func__._torchdynamo_orig_callable is type(mlp).forward
-    assert type(mlp) is not PaddedVisionMLP
+    assert type(mlp) is not PaddedVisionMLP and compiled_scope(model) == "parts"
+    prepare_model(model, compile_scope="layer")
+    assert compiled_scope(model) == "layer" and "forward" not in vars(mlp)
+    assert len(_compiled_modules(model)) == TEXT_LAYERS + VISION_BLOCKS
     prepare_model(model, compile_layers=False)
     assert not _compiled_modules(model) and not layers_compiled(model)
+
+
+def test_inductor_rounds_where_eager_rounds(monkeypatch):
+    """Inductor compiles the layers with ``emulate_precision_casts`` (other backends take no options):
+    without it, a detached and an attached pass of one prompt differ in bf16 on CUDA, and prefill fusion
+    no longer gives the serial update bitwise (tests/schedule checks that on the GPU)."""
+    calls = []
+    monkeypatch.setattr(torch, "compile", lambda fn, **kwargs: calls.append(kwargs) or fn)
+    compiled_module._compiled.cache_clear()
+    try:
+        model = _model()
+        set_layer_compilation(model, True)  # compiles lazily: nothing runs here
+        set_layer_compilation(model, True, backend="aot_eager")
+    finally:
+        compiled_module._compiled.cache_clear()
+    by_backend = {c["backend"]: c["options"] for c in calls}
+    assert by_backend == {"inductor": {"emulate_precision_casts": True}, "aot_eager": None}
+    assert all(c["dynamic"] for c in calls)
 
 
 def test_another_instance_forward_is_not_overwritten():
@@ -166,13 +217,13 @@ def test_another_instance_forward_is_not_overwritten():
     norm = model.model.language_model.layers[0].input_layernorm
     norm.forward = lambda hidden: hidden
     with pytest.raises(ValueError, match="layers.0.input_layernorm"):
-        set_layer_compilation(model, True, backend="aot_eager")
+        set_layer_compilation(model, True, backend="aot_eager", scope="parts")
     assert not layers_compiled(model)  # nothing was installed
     del norm.forward
-    set_layer_compilation(model, True, backend="aot_eager")
+    set_layer_compilation(model, True, backend="aot_eager", scope="parts")
     replaced = norm.forward = lambda hidden: hidden  # replaced after compiling
     with pytest.raises(ValueError, match="overwrite"):
-        set_layer_compilation(model, True, backend="aot_eager")
+        set_layer_compilation(model, True, backend="aot_eager", scope="parts")
     assert norm.forward is replaced
     mlp = model.model.visual.blocks[0].mlp
     with pytest.raises(ValueError, match="overwrite"):  # before the MLP's class changes
@@ -181,6 +232,14 @@ def test_another_instance_forward_is_not_overwritten():
     set_layer_compilation(model, False)  # not removed as if it were ours
     assert norm.forward is replaced and not layers_compiled(model)
     assert len(_compiled_modules(model)) == 1
+    set_layer_compilation(model, True, backend="aot_eager")  # a whole layer traces the norm's forward
+    assert norm.forward is replaced and compiled_scope(model) == "layer"
+    layer = model.model.language_model.layers[1]
+    set_layer_compilation(model, False)
+    layer.forward = lambda hidden, **kwargs: hidden
+    with pytest.raises(ValueError, match="language_model.layers.1 "):
+        set_layer_compilation(model, True, backend="aot_eager")
+    assert not layers_compiled(model)
 
 
 def test_a_layer_without_its_modules_is_refused():
