@@ -1,24 +1,29 @@
 """Whether the device waits for the host's launches in a serial GRPO step of the ``rollplex bench
 schedule`` workload, layer by layer: after two warm-up steps, one step with a probe at the start of every
-decoder layer and vision block forward (prefix, suffix, recompute) of the actor and the reference, and at
-every actor layer's gradient (its MLP down weight's accumulation, in backward).
+decoder layer and vision block forward (prefix and suffix passes, and activation checkpointing's
+recomputation) of the actor and the reference, and at every actor layer's gradient (its MLP down
+weight's accumulation, in backward).
 
 Each probe notes the host clock and records a CUDA event on the current stream. The device reaches the
 probe ``lag`` seconds after the host issued it (event time on the device's clock, aligned to the host's
 by an event recorded just after a synchronisation at the start of the step). A lag near zero means
 the device ran out of queued work there and waited for the host; a lag of milliseconds means work was
-queued ahead. Between two consecutive probes of one kind (e.g. two text layers of one forward), the host
-interval is the host's time to issue one layer, the CPU interval the issuing thread's CPU time over it
-(pairs on one thread only: recomputation and backward run on autograd's thread), and the device interval
-the time between the device reaching the two probes (its work on the layer, and any wait for the host).
+queued ahead. Between two probes of one kind at neighbouring layers of one pass, on one thread, the host
+interval is the host's time to issue one layer, the CPU interval the issuing thread's CPU time over it,
+and the device interval the time between the device reaching the two probes (its work on the layer,
+and any wait for the host). Forward probes run on the main thread; recomputation (kind ``recompute``)
+and backward (``bwd``) run on autograd's thread, each layer recomputed just before its own backward, so
+their intervals cover one layer's recomputation and backward together.
 
-Prints, per phase and probe kind: probes, median lag, share of probes with a lag under 1 ms, and the
-summed host, CPU and device intervals between consecutive probes; and each phase's host issue time
-against its wall time, with the main thread's CPU time while issuing. Writes OUT_PREFIX.lag.txt (the tables), OUT_PREFIX.lag.json (every probe), OUT_PREFIX.lag.png
-(lag over the step), and OUT_PREFIX.cprofile.txt (one more step under cProfile, probes off: functions by
-own time and by cumulative time).
+Prints, per phase and probe kind: probes, median lag, share of probes with a lag under 1 ms, the pairs
+of neighbouring probes, their summed host, CPU and device intervals, and the medians of the host and
+device intervals (per layer); and each phase's host issue time against its wall time, with the main
+thread's CPU time while issuing; the step's process CPU time counts every thread. Writes
+OUT_PREFIX.lag.txt (the tables), OUT_PREFIX.lag.json (every probe), OUT_PREFIX.lag.png (lag over the
+step), and OUT_PREFIX.cprofile.txt (one more step under cProfile, probes off: functions by own time and
+by cumulative time).
 
-Usage (CUDA): python scripts/host_lag.py OUT_PREFIX
+Usage (CUDA): python scripts/host_lag.py OUT_PREFIX [--row serial|serial-parts|serial-eager]
 """
 
 from __future__ import annotations
@@ -32,26 +37,31 @@ from contextlib import contextmanager
 
 import torch
 
-from rollplex.bench.common import cprofile_report, cuda_script_out_prefix
+from rollplex.bench.common import cprofile_report, cuda_script_args, one_of
 from rollplex.bench.schedule import default_row
 from rollplex.observe.metrics import PhaseTimer
 
 
 class _Probes:
-    """Host clock + CUDA event per probe; the phase they fall in."""
+    """Host clock, the calling thread's CPU clock and a CUDA event per probe; the phase it falls in and
+    the layer's index. A forward probe on another thread than the main one is a recomputation (activation
+    checkpointing recomputes a layer on autograd's thread, just before that layer's backward)."""
 
     def __init__(self) -> None:
         self.phase = "-"
-        self.rows: list[tuple[str, str, float, float, int, torch.cuda.Event]] = []
+        self.rows: list[tuple[str, str, int, float, float, int, torch.cuda.Event]] = []
         self.on = False
+        self.main = threading.get_ident()
 
-    def __call__(self, kind: str) -> None:
+    def __call__(self, kind: str, index: int) -> None:
         if not self.on:
             return
         event = torch.cuda.Event(enable_timing=True)
         event.record()
         now = (time.perf_counter(), time.thread_time(), threading.get_ident())
-        self.rows.append((self.phase, kind, *now, event))
+        if now[2] != self.main and kind.endswith(":fwd"):
+            kind = kind[: -len("fwd")] + "recompute"
+        self.rows.append((self.phase, kind, index, *now, event))
 
 
 class _IssueTimer(PhaseTimer):
@@ -89,14 +99,14 @@ def _install(roles, probes: _Probes) -> None:
             ("vision", model.model.visual.blocks),
         ):
             kind = f"{role}:{part}:fwd"
-            for layer in layers:
-                layer.register_forward_pre_hook(lambda *_a, _k=kind: probes(_k))
+            for i, layer in enumerate(layers):
+                layer.register_forward_pre_hook(lambda *_a, _k=kind, _i=i: probes(_k, _i))
             if role == "actor":
                 kind_b = f"actor:{part}:bwd"
-                for layer in layers:
+                for i, layer in enumerate(layers):
                     weight = layer.mlp.down_proj.weight
                     if weight.requires_grad:
-                        weight.register_post_accumulate_grad_hook(lambda _p, _k=kind_b: probes(_k))
+                        weight.register_post_accumulate_grad_hook(lambda _p, _k=kind_b, _i=i: probes(_k, _i))
 
 
 def _table(probes: _Probes, anchor_host: float, anchor: torch.cuda.Event) -> tuple[str, list[dict]]:
@@ -104,12 +114,13 @@ def _table(probes: _Probes, anchor_host: float, anchor: torch.cuda.Event) -> tup
         {
             "phase": phase,
             "kind": kind,
+            "layer": index,
             "host_s": host - anchor_host,
             "cpu_s": cpu,
             "thread": thread,
             "device_s": anchor.elapsed_time(event) / 1000.0,
         }
-        for phase, kind, host, cpu, thread, event in probes.rows
+        for phase, kind, index, host, cpu, thread, event in probes.rows
     ]
     for r in rows:
         r["lag_ms"] = (r["device_s"] - r["host_s"]) * 1000.0
@@ -117,22 +128,33 @@ def _table(probes: _Probes, anchor_host: float, anchor: torch.cuda.Event) -> tup
     for r in rows:
         groups[(r["phase"], r["kind"])].append(r)
     lines = [
-        f"{'phase':10s} {'kind':18s} {'probes':>6s} {'median lag ms':>13s} {'lag<1ms':>8s} "
-        f"{'host s':>8s} {'cpu s':>8s} {'device s':>8s}"
+        f"{'phase':10s} {'kind':24s} {'probes':>6s} {'median lag ms':>13s} {'lag<1ms':>8s} {'pairs':>6s} "
+        f"{'host s':>8s} {'cpu s':>8s} {'device s':>8s} {'median host ms':>14s} {'median device ms':>16s}"
     ]
     for (phase, kind), rs in groups.items():
         lags = [r["lag_ms"] for r in rs]
-        pairs = [
-            (a, b)
-            for a, b in zip(rs, rs[1:])
-            if b["host_s"] - a["host_s"] < 0.05 and a["thread"] == b["thread"]
-        ]
+        pairs = _pairs(rs)
         host, cpu, dev = (sum(b[k] - a[k] for a, b in pairs) for k in ("host_s", "cpu_s", "device_s"))
+        per_host, per_dev = (
+            statistics.median([(b[k] - a[k]) * 1000.0 for a, b in pairs]) if pairs else float("nan")
+            for k in ("host_s", "device_s")
+        )
         lines.append(
-            f"{phase:10s} {kind:18s} {len(rs):6d} {statistics.median(lags):13.2f} "
-            f"{sum(lag < 1.0 for lag in lags) / len(lags):8.2f} {host:8.3f} {cpu:8.3f} {dev:8.3f}"
+            f"{phase:10s} {kind:24s} {len(rs):6d} {statistics.median(lags):13.2f} "
+            f"{sum(lag < 1.0 for lag in lags) / len(lags):8.2f} {len(pairs):6d} {host:8.3f} {cpu:8.3f} "
+            f"{dev:8.3f} {per_host:14.2f} {per_dev:16.2f}"
         )
     return "\n".join(lines), rows
+
+
+def _pairs(rows: list[dict]) -> list[tuple[dict, dict]]:
+    """Consecutive probes of one pass: on one thread, at neighbouring layers (forward: the next layer;
+    recomputation and backward: the previous one, as backward goes from the last layer to the first)."""
+    return [
+        (a, b)
+        for a, b in zip(rows, rows[1:])
+        if a["thread"] == b["thread"] and abs(b["layer"] - a["layer"]) == 1
+    ]
 
 
 def _plot(rows: list[dict], path: str) -> None:
@@ -155,8 +177,8 @@ def _plot(rows: list[dict], path: str) -> None:
     fig.savefig(path, dpi=120)
 
 
-def main(out: str) -> None:
-    work, roles, step = default_row("serial", torch.device("cuda"))
+def main(out: str, row: str = "serial") -> None:
+    work, roles, step = default_row(row, torch.device("cuda"))
     probes = _Probes()
     timer = _IssueTimer(probes)
     _install(roles, probes)
@@ -171,10 +193,11 @@ def main(out: str) -> None:
     anchor.record()
     anchor_host = time.perf_counter()
     probes.on = True
-    cpu0, start = time.thread_time(), time.perf_counter()
+    cpu0, process0, start = time.thread_time(), time.process_time(), time.perf_counter()
     step(roles, work.prompts, timer)
     torch.cuda.synchronize()
     wall, cpu = time.perf_counter() - start, time.thread_time() - cpu0
+    process = time.process_time() - process0
     probes.on = False
     text, rows = _table(probes, anchor_host, anchor)
     phases = "\n".join(
@@ -182,7 +205,10 @@ def main(out: str) -> None:
         f"main thread CPU while issuing {timer.cpu[name]:7.3f} s"
         for name in timer.wall
     )
-    report = f"probed step: wall {wall:.3f} s, main thread CPU {cpu:.3f} s\n{phases}\n{text}"
+    report = (
+        f"{row}: probed step: wall {wall:.3f} s, main thread CPU {cpu:.3f} s, process CPU {process:.3f} s\n"
+        f"{phases}\n{text}"
+    )
     print(report, flush=True)
     with open(out + ".lag.txt", "w") as f:
         f.write(report + "\n")
@@ -193,4 +219,20 @@ def main(out: str) -> None:
 
 
 if __name__ == "__main__":
-    main(cuda_script_out_prefix(__doc__, "OUT_PREFIX.lag.txt/.json/.png and OUT_PREFIX.cprofile.txt"))
+    args = cuda_script_args(
+        __doc__,
+        lambda p: (
+            p.add_argument(
+                "out_prefix",
+                metavar="OUT_PREFIX",
+                help="write OUT_PREFIX.lag.txt/.json/.png and OUT_PREFIX.cprofile.txt",
+            ),
+            p.add_argument(
+                "--row",
+                default="serial",
+                type=one_of(("serial", "serial-parts", "serial-eager")),
+                help="the benchmark row to probe (default serial)",
+            ),
+        ),
+    )
+    main(args.out_prefix, args.row)

@@ -276,6 +276,8 @@ def test_bench_schedule_options_reach_the_config(monkeypatch):
             "--no-vision-mlp-padding",
             "--compile-mode",
             "max-autotune",
+            "--compile-scope",
+            "parts",
         ]
     )
     assert (seen[0].compile_decode, seen[0].fused_projections, seen[0].fused_sampling) == (True, True, True)
@@ -289,6 +291,13 @@ def test_bench_schedule_options_reach_the_config(monkeypatch):
     assert (seen[0].vision_attention, seen[1].vision_attention) == ("batched", "per_chunk")
     assert (seen[0].vision_mlp_padding, seen[1].vision_mlp_padding) == (True, False)
     assert (seen[0].compile_mode, seen[1].compile_mode) == ("default", "max-autotune")
+    assert (seen[0].compile_scope, seen[1].compile_scope) == ("layer", "parts")
+
+
+def test_a_bad_compile_scope_is_a_usage_error(capsys):
+    with pytest.raises(SystemExit) as stop:
+        main(["bench", "schedule", "--compile-scope", "whole"])
+    assert stop.value.code == 2 and "invalid choice: 'whole'" in capsys.readouterr().err
 
 
 def test_the_default_jobs_preparation_is_announced_once(tmp_path, capsys):

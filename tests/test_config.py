@@ -321,6 +321,16 @@ def test_resolve_dtype():
     assert resolve_dtype(load_config(None, ["run.dtype=float64"]).run, "cuda") == torch.float64
 
 
+def test_compile_scopes_are_the_models_and_a_bad_one_is_refused_by_name():
+    from rollplex.config import COMPILE_SCOPES
+    from rollplex.models.compiled import SCOPES
+
+    assert COMPILE_SCOPES == SCOPES
+    assert load_config(None, ["model.compile_scope=parts"]).model.compile_scope == "parts"
+    with pytest.raises(ConfigError, match=r"model\.compile_scope='whole' is not one of layer, parts"):
+        load_config(None, ["model.compile_scope=whole"])
+
+
 def test_every_field_has_a_help_line():
     rows = field_docs()
     n_fields = sum(len(dataclasses.fields(type(section))) for section in vars(Config()).values())

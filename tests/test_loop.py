@@ -16,7 +16,7 @@ from rollplex.config import load_config
 from rollplex.data.records import DatasetError
 from rollplex.data.synth import generate_dataset
 from rollplex.loop import build_run, train
-from rollplex.models.compiled import layers_compiled
+from rollplex.models.compiled import compiled_scope, layers_compiled
 from rollplex.models.presets import init_checkpoint
 
 
@@ -337,22 +337,21 @@ def test_b04_rollout_reference_and_actor_read_the_same_vision_tensors(
         assert all(all(a is b for a, b in zip(first, tensors, strict=True)) for _, _, tensors in uses)
 
 
-@pytest.mark.parametrize("requested", [True, False])
-def test_model_compile_layers_reaches_both_models(assets, tmp_path, monkeypatch, requested):
+@pytest.mark.parametrize(("requested", "scope"), [(True, "layer"), (True, "parts"), (False, "parts")])
+def test_model_compile_layers_reaches_both_models(assets, tmp_path, monkeypatch, requested, scope):
     """``model.compile_layers`` goes through the CUDA-only gate once, with the run's device, and its
-    answer reaches the actor and the reference (the gate is answered with the flag itself here, so the
-    CPU shows the wiring; nothing runs, nothing compiles)."""
+    answer, in ``model.compile_scope``, reaches the actor and the reference (the gate is answered with
+    the flag itself here, so the CPU shows the wiring; nothing runs, nothing compiles)."""
     calls = []
     monkeypatch.setattr(
         "rollplex.loop.compiles_layers", lambda flag, device: calls.append((flag, device)) or flag
     )
-    cfg = _config(
-        assets, tmp_path, 1, **{"algo.kl_coef": 0.05, "model.compile_layers": str(requested).lower()}
-    )
+    overrides = {"model.compile_layers": str(requested).lower(), "model.compile_scope": scope}
+    cfg = _config(assets, tmp_path, 1, **{"algo.kl_coef": 0.05, **overrides})
     run = build_run(cfg)
     assert calls == [(requested, torch.device("cpu"))]
-    assert layers_compiled(run.roles.actor) is requested
-    assert layers_compiled(run.roles.reference) is requested
+    for model in (run.roles.actor, run.roles.reference):
+        assert compiled_scope(model) == (scope if requested else None)
 
 
 def test_model_compile_layers_is_ignored_on_the_cpu(assets, tmp_path):

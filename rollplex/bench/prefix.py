@@ -164,7 +164,11 @@ def run_prefix_bench(cfg: PrefixBenchConfig, out: Path | None = None) -> PrefixB
     if "vision" in cfg.parts:
         result.vision_attention = _vision_attention(model, prompts, cfg, banned, device)
         prepare_model(
-            model, cfg.vision_attention, cfg.vision_mlp_padding, compiles_layers(cfg.compile_layers, device)
+            model,
+            cfg.vision_attention,
+            cfg.vision_mlp_padding,
+            compiles_layers(cfg.compile_layers, device),
+            cfg.compile_scope,
         )
     _print(result)
     if out is not None:
@@ -265,7 +269,7 @@ def _vision_attention(model, prompts, cfg, banned, device) -> dict:
     backward (actor); speedup = per_chunk / that row."""
     rows = {}
     for mode, (attention, padding, compiled) in VISION_ROWS.items():
-        prepare_model(model, attention, padding, compiles_layers(compiled, device))
+        prepare_model(model, attention, padding, compiles_layers(compiled, device), cfg.compile_scope)
         for role, attached in (("reference", False), ("actor", True)):
             with torch.enable_grad() if attached else torch.no_grad():
                 seconds, peak, _ = _measure(

@@ -49,10 +49,11 @@ SCOPES = ("layer", "parts")  # model.compile_scope
 # torch's ``nested_graph_breaks`` (in recent releases) tracing resumes inside that frame: two graphs per layer.
 # Without it the break reaches the layer's frame, and the attention module's frame compiles apart: four.
 NESTED_GRAPH_BREAKS = hasattr(torch._dynamo.config, "nested_graph_breaks")
-# Cache entries per compiled function, e.g. for the RMSNorm: rank 2 (vision) or 3 (text) × batch 1 or
-# more × grad mode and inputs requiring grad × prefix or suffix pass (11-17 counted on the CPU,
-# depending on the torch version, whatever the number of layers); torch's default of 8 would leave the
-# rest running eagerly, with one warning.
+# Cache entries per compiled function, one per variant of its inputs, e.g. under ``parts`` for the
+# RMSNorm: rank 2 (vision) or 3 (text) × batch 1 or more × grad mode and inputs requiring grad × prefix
+# or suffix pass (11-17 counted on the CPU, depending on the torch version, whatever the number of
+# layers); under ``layer`` the same variants of a layer and of the code after its attention call.
+# torch's default of 8 would leave the rest running eagerly, with one warning.
 RECOMPILE_LIMIT = 64
 
 
@@ -159,7 +160,7 @@ def set_layer_compilation(model, on: bool, backend: str | Callable = "inductor",
         backend: torch.compile backend: ``inductor`` (fused kernels), ``aot_eager`` (traced, run by
             the eager kernels; for tests) or a backend callable.
         scope: ``layer`` (two graphs per layer, around its attention call) or ``parts`` (five, the
-            residual adds eager); ignored when turning it off.
+            residual adds eager); checked, but otherwise unused, when turning it off.
 
     Raises:
         ValueError: ``model`` is not a Qwen2.5-VL model, an unknown ``scope``, or, turning it on, a
@@ -168,7 +169,8 @@ def set_layer_compilation(model, on: bool, backend: str | Callable = "inductor",
 
     Turning it on raises torch's process-wide ``torch._dynamo.config.recompile_limit`` to at least
     ``RECOMPILE_LIMIT``, and with scope ``layer`` sets its ``nested_graph_breaks`` where the torch
-    release has it (both apply to every compiled function of the process, decode's included).
+    release has it. Both apply to every compiled function of the process, decode's included, and both
+    stay set when compilation is turned off or switched to ``parts``.
     """
     modules = _targets(model, scope)
     if on:

@@ -71,9 +71,9 @@ def prepare_model(
     """
     if vision_attention not in VISION_ATTENTION:
         raise ValueError(f"vision_attention {vision_attention!r}: expected one of {VISION_ATTENTION}")
-    scope = compile_scope or compiled_scope(model) or "layer"
+    scope = compile_scope if compile_scope is not None else compiled_scope(model) or "layer"
     if scope not in SCOPES:
-        raise ValueError(f"compile_scope {scope!r}: expected one of {SCOPES}")
+        raise ValueError(f"compile scope {scope!r}: expected one of {SCOPES}")
     compiled = layers_compiled(model) if compile_layers is None else compile_layers
     if compiled:
         refuse_foreign_forwards(model, scope)  # before anything changes

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from rollplex.bench.schedule import ROWS, ScheduleBenchConfig, _Workload, run_schedule_bench
-from rollplex.models.compiled import layers_compiled
+from rollplex.models.compiled import compiled_scope
 
 
 def test_rows_reach_the_same_parameters(tmp_path):
@@ -41,8 +41,9 @@ def test_unknown_row_is_named():
 
 
 def test_eager_rows_run_the_layers_uncompiled(monkeypatch):
-    """serial-eager turns ``model.compile_layers`` off for both models; the other rows leave it to the
-    workload (the CUDA-only gate passed through here, so the CPU shows the wiring without compiling)."""
+    """serial-eager and both-eager turn ``model.compile_layers`` off for both models, serial-parts and
+    both-parts compile their layers' parts apart; the other rows leave both to the workload (the
+    CUDA-only gate passed through here, so the CPU shows the wiring without compiling)."""
     calls = []
     monkeypatch.setattr(
         "rollplex.bench.schedule.compiles_layers", lambda flag, device: calls.append((flag, device)) or flag
@@ -51,8 +52,16 @@ def test_eager_rows_run_the_layers_uncompiled(monkeypatch):
         preset="tiny", groups=1, group_size=2, text_tokens=8, grid=(2, 4, 4), dtype="float32"
     )
     work = _Workload(cfg, torch.device("cpu"))
-    for row, compiled in (("serial", True), ("serial-eager", False), ("both", True), ("both-eager", False)):
+    rows = {
+        "serial": "layer",
+        "serial-eager": None,
+        "both": "layer",
+        "both-eager": None,
+        "serial-parts": "parts",
+        "both-parts": "parts",
+    }
+    for row, scope in rows.items():
         calls.clear()
         work.roles(ROWS[row], cfg)
-        assert calls == [(compiled, torch.device("cpu"))], row
-        assert layers_compiled(work.actor) is compiled and layers_compiled(work.reference) is compiled, row
+        assert calls == [(scope is not None, torch.device("cpu"))], row
+        assert compiled_scope(work.actor) == scope and compiled_scope(work.reference) == scope, row

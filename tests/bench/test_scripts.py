@@ -96,3 +96,35 @@ def test_the_cprofile_report_lists_the_run_by_own_and_cumulative_time(tmp_path):
     assert own.index("(<genexpr>)") < own.index("(busy_leaf)")  # by own time: the squares first
     with pytest.raises(ZeroDivisionError):  # the run's error reaches the caller; profiling stops
         cprofile_report(lambda: 1 / 0, str(tmp_path / "q.txt"), 5, 5)
+
+
+def test_host_lag_pairs_neighbouring_layers_of_one_pass_and_labels_recomputation(monkeypatch):
+    """scripts/host_lag.py's bookkeeping, without a GPU: a forward probe off the main thread is a
+    recomputation; intervals are taken only between neighbouring layers on one thread."""
+    import threading
+
+    script = next(p for p in SCRIPTS if p.name == "host_lag.py")
+    space = runpy.run_path(str(script))
+
+    class FakeEvent:
+        def __init__(self, enable_timing=False):
+            pass
+
+        def record(self):
+            pass
+
+    monkeypatch.setattr(torch.cuda, "Event", FakeEvent)
+    probes = space["_Probes"]()
+    probes.on = True
+    probes("actor:text:fwd", 0)
+    worker = threading.Thread(target=lambda: (probes("actor:text:fwd", 1), probes("actor:text:bwd", 1)))
+    worker.start()
+    worker.join()
+    assert [row[1] for row in probes.rows] == ["actor:text:fwd", "actor:text:recompute", "actor:text:bwd"]
+
+    def row(layer, thread, t):
+        return {"layer": layer, "thread": thread, "host_s": t}
+
+    rows = [row(0, 1, 0.0), row(1, 1, 0.1), row(2, 1, 0.2), row(0, 1, 0.3), row(1, 2, 0.4), row(0, 2, 0.5)]
+    pairs = space["_pairs"](rows)
+    assert [(a["host_s"], b["host_s"]) for a, b in pairs] == [(0.0, 0.1), (0.1, 0.2), (0.4, 0.5)]

@@ -175,7 +175,7 @@ def test_switching_scope_and_off_and_following_the_mlp_class():
     assert block.forward.__func__._torchdynamo_orig_callable is type(block).forward
     prepare_model(model, vision_attention="per_chunk")  # None: stays compiled, in its scope
     assert compiled_scope(model) == "layer"
-    with pytest.raises(ValueError, match="compile_scope 'whole'"):
+    with pytest.raises(ValueError, match="compile scope 'whole'"):
         prepare_model(model, vision_attention="batched", compile_scope="whole")
     assert compiled_scope(model) == "layer"  # nothing changed
     assert model.model.visual.config._attn_implementation != VISION_ATTENTION_NAME
@@ -192,6 +192,24 @@ def test_switching_scope_and_off_and_following_the_mlp_class():
     assert len(_compiled_modules(model)) == TEXT_LAYERS + VISION_BLOCKS
     prepare_model(model, compile_layers=False)
     assert not _compiled_modules(model) and not layers_compiled(model)
+
+
+@pytest.mark.parametrize("compile_layers", [False, None])
+def test_a_bad_scope_changes_nothing_on_an_uncompiled_model(compile_layers):
+    model = _model()
+    set_layer_compilation(model, False)
+    block = model.model.visual.blocks[0]
+    before = (model.model.visual.config._attn_implementation, type(block.mlp))
+    with pytest.raises(ValueError, match="compile scope 'whole'"):
+        prepare_model(
+            model,
+            vision_attention="per_chunk",
+            vision_mlp_padding=False,
+            compile_layers=compile_layers,
+            compile_scope="whole",
+        )
+    assert (model.model.visual.config._attn_implementation, type(block.mlp)) == before
+    assert not _compiled_modules(model)
 
 
 def test_inductor_rounds_where_eager_rounds(monkeypatch):
