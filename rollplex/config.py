@@ -623,15 +623,21 @@ def validate_for_training(cfg: Config) -> None:
         )
 
 
-def ignored_fields(cfg: Config) -> list[str]:
-    """Fields set away from their default that take no effect: T-GRPO's ``reward.temporal_mu``,
-    ``reward.temporal_samples`` and ``reward.temporal_reward`` while ``reward.temporal_alpha`` is 0
+def ignored_fields(cfg: Config) -> dict[str, list[str]]:
+    """Fields set away from their default that take no effect, by the setting that makes them so:
+    T-GRPO's ``reward.temporal_mu``, ``reward.temporal_samples`` and ``reward.temporal_reward`` while
+    ``reward.temporal_alpha`` is 0, and ``model.compile_scope`` while ``model.compile_layers`` is off
     (``loop.train`` warns about them)."""
-    if cfg.reward.temporal_alpha != 0:
-        return []
-    default = RewardConfig()
-    names = ("temporal_mu", "temporal_samples", "temporal_reward")
-    return [f"reward.{n}" for n in names if getattr(cfg.reward, n) != getattr(default, n)]
+    ignored: dict[str, list[str]] = {}
+    if cfg.reward.temporal_alpha == 0:
+        default = RewardConfig()
+        names = ("temporal_mu", "temporal_samples", "temporal_reward")
+        fields = [f"reward.{n}" for n in names if getattr(cfg.reward, n) != getattr(default, n)]
+        if fields:
+            ignored["T-GRPO is off (reward.temporal_alpha=0)"] = fields
+    if not cfg.model.compile_layers and cfg.model.compile_scope != ModelConfig().compile_scope:
+        ignored["the layers are not compiled (model.compile_layers=false)"] = ["model.compile_scope"]
+    return ignored
 
 
 def data_root(cfg: DataConfig) -> Path:

@@ -42,7 +42,13 @@ from rollplex.data.vision import ImageSampling, VideoSampling
 from rollplex.models.compiled import compiles_layers
 from rollplex.models.forward import enable_checkpointing, prepare_model
 from rollplex.models.positions import VisionTokens
-from rollplex.observe.metrics import MetricsWriter, PhaseTimer, ProgressBar, write_chrome_trace
+from rollplex.observe.metrics import (
+    MetricsWriter,
+    PhaseTimer,
+    ProgressBar,
+    read_chrome_trace,
+    write_chrome_trace,
+)
 from rollplex.optim import MasterWeightAdamW, learning_rate
 from rollplex.phases import ActorStats, Roles, rollout_phase, uses_temporal
 from rollplex.rollout.engine import SamplingParams
@@ -360,9 +366,8 @@ def train(cfg: Config, resume: bool = False, overwrite: bool = False) -> Path:
     _quiet_library_progress()
     started = time.perf_counter()
     _claim_run_dir(Path(cfg.run.out_dir), resume, overwrite)
-    ignored = ignored_fields(cfg)
-    if ignored:
-        log.warning("%s set, but T-GRPO is off (reward.temporal_alpha=0): ignored", ", ".join(ignored))
+    for why, fields in ignored_fields(cfg).items():
+        log.warning("%s set, but %s: ignored", ", ".join(fields), why)
     ckpt = _resume_checkpoint(Path(cfg.run.out_dir)) if resume else None  # before anything is written
     run = build_run(cfg)
     step = 0
@@ -379,6 +384,8 @@ def train(cfg: Config, resume: bool = False, overwrite: bool = False) -> Path:
     run.run_dir.mkdir(parents=True, exist_ok=True)
     save_config(cfg, run.run_dir / "config.yaml")
     metrics = MetricsWriter(run.run_dir, resume_step=step if resume else None)
+    trace_path = run.run_dir / "trace.json"
+    earlier_trace = read_chrome_trace(trace_path) if resume else None
     first_eval = {} if resume else _maybe_eval(run, step, force=True)
     if first_eval:
         metrics.write({"step": step, **first_eval})
@@ -404,8 +411,9 @@ def train(cfg: Config, resume: bool = False, overwrite: bool = False) -> Path:
                 trainer_state=trainer_state(run, step),
                 keep=cfg.run.keep_checkpoints,
             )
+            write_chrome_trace(timer.spans, trace_path, earlier_trace)  # a killed run keeps its trace
     bar.close()
-    write_chrome_trace(timer.spans, run.run_dir / "trace.json")
+    write_chrome_trace(timer.spans, trace_path, earlier_trace)
     _summary(run, first_eval, record, time.perf_counter() - started)
     return run.run_dir
 

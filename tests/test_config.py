@@ -300,9 +300,17 @@ def test_t_grpo_settings_without_alpha_are_reported():
     none."""
     both = ["reward.temporal_mu=0.8", "reward.temporal_samples=4", "reward.temporal_reward=accuracy"]
     names = ["reward.temporal_mu", "reward.temporal_samples", "reward.temporal_reward"]
-    assert ignored_fields(load_config(None, both)) == names
-    assert ignored_fields(load_config(None)) == []
-    assert ignored_fields(load_config(None, [*both, "reward.temporal_alpha=0.3"])) == []
+    assert ignored_fields(load_config(None, both)) == {"T-GRPO is off (reward.temporal_alpha=0)": names}
+    assert ignored_fields(load_config(None)) == {}
+    assert ignored_fields(load_config(None, [*both, "reward.temporal_alpha=0.3"])) == {}
+
+
+def test_a_compile_scope_without_compiled_layers_is_reported():
+    off = ["model.compile_layers=false", "model.compile_scope=parts"]
+    why = "the layers are not compiled (model.compile_layers=false)"
+    assert ignored_fields(load_config(None, off)) == {why: ["model.compile_scope"]}
+    assert ignored_fields(load_config(None, off[:1])) == {}  # the scope at its default
+    assert ignored_fields(load_config(None, off[1:])) == {}  # compiled: the scope applies
 
 
 def test_data_root_defaults_to_folder_of_train_path(tmp_path):

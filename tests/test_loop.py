@@ -262,6 +262,37 @@ def test_resume_with_no_step_left_says_so(assets, tmp_path, caplog):
     assert {p: p.read_bytes() for p in run.rglob("*") if p.is_file()} == before
 
 
+def test_the_trace_outlives_a_killed_run_and_a_resume_continues_it(assets, tmp_path, monkeypatch):
+    """The trace is written at each checkpoint: a run killed in its third step keeps the first two
+    steps' phases; ``--resume`` adds the third after a "resumed" mark instead of replacing them."""
+    import rollplex.loop as loop
+
+    real = loop._train_step
+
+    def killed_in_the_third_step(run, step, timer):
+        if step == 2:
+            raise KeyboardInterrupt
+        return real(run, step, timer)
+
+    cfg = _config(assets, tmp_path / "run", 3, **{"eval.every": 0, "data.val_path": ""})
+    monkeypatch.setattr(loop, "_train_step", killed_in_the_third_step)
+    with pytest.raises(KeyboardInterrupt):
+        train(cfg)
+
+    def rollouts(trace: dict) -> list[float]:
+        return [e["ts"] for e in trace["traceEvents"] if e["ph"] == "X" and e["name"] == "rollout"]
+
+    path = tmp_path / "run" / "trace.json"
+    killed = json.loads(path.read_text())
+    assert len(rollouts(killed)) == 2
+    monkeypatch.setattr(loop, "_train_step", real)
+    train(cfg, resume=True)
+    resumed = json.loads(path.read_text())
+    assert resumed["traceEvents"][: len(killed["traceEvents"])] == killed["traceEvents"]
+    (mark,) = [e["ts"] for e in resumed["traceEvents"] if e["ph"] == "i" and e["name"] == "resumed"]
+    assert len(rollouts(resumed)) == 3 and rollouts(resumed)[2] >= mark >= max(rollouts(killed))
+
+
 def test_a_gradient_that_is_not_finite_skips_the_update_and_saves_good_weights(
     assets, tmp_path, monkeypatch, caplog
 ):
@@ -352,6 +383,18 @@ def test_model_compile_layers_reaches_both_models(assets, tmp_path, monkeypatch,
     assert calls == [(requested, torch.device("cpu"))]
     for model in (run.roles.actor, run.roles.reference):
         assert compiled_scope(model) == (scope if requested else None)
+
+
+def test_settings_that_take_no_effect_are_named_in_a_warning(assets, tmp_path, caplog):
+    off = {"model.compile_layers": "false", "model.compile_scope": "parts", "reward.temporal_mu": 0.8}
+    cfg = _config(assets, tmp_path / "run", 1, **{"eval.every": 0, "data.val_path": "", **off})
+    with caplog.at_level(logging.WARNING):
+        train(cfg)
+    assert "reward.temporal_mu set, but T-GRPO is off (reward.temporal_alpha=0): ignored" in caplog.text
+    assert (
+        "model.compile_scope set, but the layers are not compiled (model.compile_layers=false): ignored"
+        in caplog.text
+    )
 
 
 def test_model_compile_layers_is_ignored_on_the_cpu(assets, tmp_path):

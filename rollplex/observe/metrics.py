@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import functools
 import json
+import logging
 import math
 import os
 import time
@@ -44,6 +45,7 @@ from tqdm import tqdm
 from rollplex.types import StepStats
 
 METRICS_FILE = "metrics.jsonl"
+log = logging.getLogger("rollplex")
 
 
 def _json_value(value: float | bool) -> float | int | None:
@@ -215,14 +217,24 @@ def profiled(name: str) -> Callable[[Callable], Callable]:
     return wrap
 
 
-def chrome_trace(spans: list[Span]) -> dict:
-    """Trace Event Format dict: one ``"X"`` event per span (µs from the first span), one thread per stream."""
+def chrome_trace(spans: list[Span], base: dict | None = None) -> dict:
+    """Trace Event Format dict: one ``"X"`` event per span (µs from the first span), one thread per stream.
+
+    With ``base`` (the trace of the run's earlier processes, before a resume), its events come first,
+    unchanged; the spans follow from its last event's end, after an instant event ``"resumed"`` there,
+    and a stream it already names keeps its thread.
+    """
+    earlier = list(base.get("traceEvents", [])) if base else []
+    tids = {e["args"]["name"]: e["tid"] for e in earlier if e.get("ph") == "M"}
+    named = set(tids)
+    offset = max((e["ts"] + e.get("dur", 0.0) for e in earlier if e.get("ph") in ("X", "i")), default=0.0)
     origin = min((s.start for s in spans), default=0.0)
-    tids: dict[str, int] = {}
     events = []
+    if earlier and spans:
+        events.append({"name": "resumed", "ph": "i", "s": "g", "ts": offset, "pid": 0, "tid": 0})
     for span in spans:
-        tid = tids.setdefault(span.stream, len(tids))
-        start_us = (span.start - origin) * 1e6
+        tid = tids.setdefault(span.stream, max(tids.values(), default=-1) + 1)
+        start_us = offset + (span.start - origin) * 1e6
         events.append(
             {
                 "name": span.name,
@@ -234,14 +246,50 @@ def chrome_trace(spans: list[Span]) -> dict:
             }
         )
     names = [
-        {"name": "thread_name", "ph": "M", "pid": 0, "tid": t, "args": {"name": s}} for s, t in tids.items()
+        {"name": "thread_name", "ph": "M", "pid": 0, "tid": t, "args": {"name": s}}
+        for s, t in tids.items()
+        if s not in named
     ]
-    return {"traceEvents": names + events, "displayTimeUnit": "ms"}
+    return {"traceEvents": earlier + names + events, "displayTimeUnit": "ms"}
 
 
-def write_chrome_trace(spans: list[Span], path: Path) -> None:
-    """Write ``chrome_trace(spans)`` as JSON to ``path``."""
-    Path(path).write_text(json.dumps(chrome_trace(spans)))
+def write_chrome_trace(spans: list[Span], path: Path, base: dict | None = None) -> None:
+    """Write ``chrome_trace(spans, base)`` as JSON to ``path``, through a temporary sibling replaced onto
+    it, so an interrupted write leaves the previous trace whole."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(json.dumps(chrome_trace(spans, base)))
+    os.replace(tmp, path)
+
+
+def read_chrome_trace(path: Path) -> dict | None:
+    """The trace at ``path`` (to continue it after a resume); None where there is none, or where it is
+    not a trace (a warning names the file, and the resumed run starts a new one)."""
+    path = Path(path)
+    if not path.is_file():
+        return None
+    try:
+        trace = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+        log.warning("%s is not a readable trace (%s): the resumed run starts a new one", path, err)
+        return None
+    events = trace.get("traceEvents") if isinstance(trace, dict) else None
+    if not isinstance(events, list) or not all(_continuable(e) for e in events):
+        log.warning("%s is not a Chrome trace: the resumed run starts a new one", path)
+        return None
+    return trace
+
+
+def _continuable(event) -> bool:
+    """Whether ``chrome_trace`` can continue after ``event``: a thread name with its thread, or a span
+    or instant with a numeric time (other event kinds are kept as they are)."""
+    if not isinstance(event, dict):
+        return False
+    if event.get("ph") == "M":
+        return isinstance(event.get("tid"), int) and isinstance(event.get("args", {}).get("name"), str)
+    if event.get("ph") in ("X", "i"):
+        return all(isinstance(event.get(k, 0.0), int | float) for k in ("ts", "dur")) and "ts" in event
+    return True
 
 
 POSTFIX_KEYS = (

@@ -150,3 +150,38 @@ def test_progress_bar_shows_position_and_postfix():
     bar.update({"reward_mean": 0.5})
     bar.close()
     assert quiet.getvalue() == ""
+
+
+def test_a_resumed_trace_continues_the_earlier_one(tmp_path, caplog):
+    """After a resume the earlier events stay as they were, the new spans follow from the earlier end
+    after a "resumed" mark, a known stream keeps its thread and a new one gets the next; the file is
+    replaced whole (no temporary left), and an unreadable trace is replaced with a warning."""
+    from rollplex.observe.metrics import read_chrome_trace
+
+    path = tmp_path / "trace.json"
+    write_chrome_trace([Span(1.0, 2.0, "rollout", "main"), Span(1.5, 3.0, "prefix", "prefix")], path)
+    earlier = read_chrome_trace(path)
+    write_chrome_trace(
+        [Span(50.0, 50.5, "rollout", "main"), Span(50.25, 51.0, "decode", "decode")], path, earlier
+    )
+    trace = json.loads(path.read_text())
+    assert trace["traceEvents"][: len(earlier["traceEvents"])] == earlier["traceEvents"]
+    spans = [(e["name"], e["ts"], e["dur"], e["tid"]) for e in trace["traceEvents"] if e["ph"] == "X"]
+    assert spans == [
+        ("rollout", 0.0, 1e6, 0),
+        ("prefix", 0.5e6, 1.5e6, 1),
+        ("rollout", 2e6, 0.5e6, 0),
+        ("decode", 2.25e6, 0.75e6, 2),
+    ]
+    marks = [(e["name"], e["ts"]) for e in trace["traceEvents"] if e["ph"] == "i"]
+    assert marks == [("resumed", 2e6)]
+    names = {(e["tid"], e["args"]["name"]) for e in trace["traceEvents"] if e["ph"] == "M"}
+    assert names == {(0, "main"), (1, "prefix"), (2, "decode")}
+    assert [p.name for p in tmp_path.iterdir()] == ["trace.json"]
+    assert read_chrome_trace(tmp_path / "missing.json") is None
+    for text in ("{ torn", '{"traceEvents": [{"ph": "X", "ts": "late"}]}', "[1, 2]"):
+        path.write_text(text)
+        with caplog.at_level("WARNING"):
+            assert read_chrome_trace(path) is None
+        assert "the resumed run starts a new one" in caplog.text
+        caplog.clear()
