@@ -422,11 +422,21 @@ def _coerce(path: str, value: Any, tp: Any) -> Any:
         float: isinstance(value, (int, float)) and not isinstance(value, bool),
         str: isinstance(value, str),
     }[tp]
+    if not ok and tp is float and _spells_not_finite(value):  # `nan`, `inf`: YAML reads them as text
+        raise ConfigError(f"{path}: expected a finite number, got {value!r}")
     if not ok:
         raise ConfigError(f"{path}: expected {_type_name(tp)}, got {value!r} ({type(value).__name__})")
     if tp is float and not math.isfinite(value):  # YAML's .inf / .nan: no float setting means them
         raise ConfigError(f"{path}: expected a finite number, got {value!r}")
     return float(value) if tp is float else value
+
+
+def _spells_not_finite(value: Any) -> bool:
+    """Whether ``value`` is text Python reads as a float that is not finite (``nan``, ``-inf``, ...)."""
+    try:
+        return isinstance(value, str) and not math.isfinite(float(value))
+    except ValueError:
+        return False
 
 
 def _check_limits(path: str, value: Any, meta: typing.Mapping) -> None:

@@ -136,6 +136,9 @@ def test_int_is_accepted_for_float_and_converted():
         ("algo.clip_low=-0.1", ["algo.clip_low", ">= 0"]),
         ("optim.beta2=1.0", ["optim.beta2", "< 1"]),
         ("optim.lr=.nan", ["optim.lr"]),
+        ("optim.lr=nan", ["optim.lr", "finite", "'nan'"]),  # plain text to YAML, refused alike
+        ("algo.kl_coef=-Infinity", ["algo.kl_coef", "finite", "'-Infinity'"]),
+        ("rollout.temperature=warm", ["rollout.temperature", "expected float", "'warm'"]),
         ("algo.kl_coef=.inf", ["algo.kl_coef", "finite", "inf"]),
         ("reward.weights=[1.0, .nan]", ["reward.weights[1]", "finite", "nan"]),
         ("optim.max_grad_norm=.inf", ["optim.max_grad_norm", "finite", "inf"]),  # no upper limit
