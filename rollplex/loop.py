@@ -412,8 +412,7 @@ def train(cfg: Config, resume: bool = False, overwrite: bool = False) -> Path:
                 keep=cfg.run.keep_checkpoints,
             )
             write_chrome_trace(timer.spans, trace_path, earlier_trace)  # a killed run keeps its trace
-    bar.close()
-    write_chrome_trace(timer.spans, trace_path, earlier_trace)
+    bar.close()  # the last step always saves a checkpoint, and with it the trace
     _summary(run, first_eval, record, time.perf_counter() - started)
     return run.run_dir
 

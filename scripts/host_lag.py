@@ -38,8 +38,10 @@ from contextlib import contextmanager
 import torch
 
 from rollplex.bench.common import cprofile_report, cuda_script_args, one_of
-from rollplex.bench.schedule import default_row
+from rollplex.bench.schedule import ROWS, default_row
 from rollplex.observe.metrics import PhaseTimer
+
+SERIAL_ROWS = tuple(name for name, row in ROWS.items() if row.get("run.schedule") == "serial")
 
 
 class _Probes:
@@ -157,7 +159,7 @@ def _pairs(rows: list[dict]) -> list[tuple[dict, dict]]:
     ]
 
 
-def _plot(rows: list[dict], path: str) -> None:
+def _plot(rows: list[dict], path: str, row: str) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -171,7 +173,7 @@ def _plot(rows: list[dict], path: str) -> None:
     ax.set_yscale("log")
     ax.set_xlabel("host time in the step (s)")
     ax.set_ylabel("device lag behind the host (ms)")
-    ax.set_title("Probes of one serial GRPO step: near 0 = the device waits for the host")
+    ax.set_title(f"Probes of one GRPO step of row {row}: near 0 = the device waits for the host")
     ax.legend(markerscale=4, fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
@@ -214,7 +216,7 @@ def main(out: str, row: str = "serial") -> None:
         f.write(report + "\n")
     with open(out + ".lag.json", "w") as f:
         json.dump(rows, f)
-    _plot(rows, out + ".lag.png")
+    _plot(rows, out + ".lag.png", row)
     cprofile_report(lambda: step(roles, work.prompts, timer), out + ".cprofile.txt", 60, 90)
 
 
@@ -230,8 +232,8 @@ if __name__ == "__main__":
             p.add_argument(
                 "--row",
                 default="serial",
-                type=one_of(("serial", "serial-parts", "serial-eager")),
-                help="the benchmark row to probe (default serial)",
+                type=one_of(SERIAL_ROWS),
+                help=f"the benchmark row to probe: {', '.join(SERIAL_ROWS)} (default serial)",
             ),
         ),
     )

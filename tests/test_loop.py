@@ -263,34 +263,47 @@ def test_resume_with_no_step_left_says_so(assets, tmp_path, caplog):
 
 
 def test_the_trace_outlives_a_killed_run_and_a_resume_continues_it(assets, tmp_path, monkeypatch):
-    """The trace is written at each checkpoint: a run killed in its third step keeps the first two
-    steps' phases; ``--resume`` adds the third after a "resumed" mark instead of replacing them."""
+    """The trace is written at each checkpoint (every 2 steps here): a run killed in its fourth step
+    keeps the first two steps' phases, not the third's; a resumed run killed again after its own
+    checkpoint keeps the earlier trace and its own steps up to that checkpoint, after a "resumed" mark;
+    the last resume completes it."""
     import rollplex.loop as loop
 
     real = loop._train_step
 
-    def killed_in_the_third_step(run, step, timer):
-        if step == 2:
-            raise KeyboardInterrupt
-        return real(run, step, timer)
+    def killed_at(index):
+        def step(run, i, timer):
+            if i == index:
+                raise KeyboardInterrupt
+            return real(run, i, timer)
 
-    cfg = _config(assets, tmp_path / "run", 3, **{"eval.every": 0, "data.val_path": ""})
-    monkeypatch.setattr(loop, "_train_step", killed_in_the_third_step)
-    with pytest.raises(KeyboardInterrupt):
-        train(cfg)
+        return step
 
     def rollouts(trace: dict) -> list[float]:
         return [e["ts"] for e in trace["traceEvents"] if e["ph"] == "X" and e["name"] == "rollout"]
 
+    def marks(trace: dict) -> list[float]:
+        return [e["ts"] for e in trace["traceEvents"] if e["ph"] == "i" and e["name"] == "resumed"]
+
+    cfg = _config(assets, tmp_path / "run", 6, **{"eval.every": 0, "data.val_path": ""})
     path = tmp_path / "run" / "trace.json"
-    killed = json.loads(path.read_text())
-    assert len(rollouts(killed)) == 2
+    monkeypatch.setattr(loop, "_train_step", killed_at(3))
+    with pytest.raises(KeyboardInterrupt):
+        train(cfg)
+    first = json.loads(path.read_text())
+    assert len(rollouts(first)) == 2 and marks(first) == []
+    monkeypatch.setattr(loop, "_train_step", killed_at(5))  # resumes at step 2, saves at 4, dies in 6
+    with pytest.raises(KeyboardInterrupt):
+        train(cfg, resume=True)
+    second = json.loads(path.read_text())
+    assert second["traceEvents"][: len(first["traceEvents"])] == first["traceEvents"]
+    assert len(rollouts(second)) == 4 and len(marks(second)) == 1
+    assert rollouts(second)[2] >= marks(second)[0] >= max(rollouts(first))
     monkeypatch.setattr(loop, "_train_step", real)
-    train(cfg, resume=True)
-    resumed = json.loads(path.read_text())
-    assert resumed["traceEvents"][: len(killed["traceEvents"])] == killed["traceEvents"]
-    (mark,) = [e["ts"] for e in resumed["traceEvents"] if e["ph"] == "i" and e["name"] == "resumed"]
-    assert len(rollouts(resumed)) == 3 and rollouts(resumed)[2] >= mark >= max(rollouts(killed))
+    train(cfg, resume=True)  # from step 4
+    last = json.loads(path.read_text())
+    assert last["traceEvents"][: len(second["traceEvents"])] == second["traceEvents"]
+    assert len(rollouts(last)) == 6 and len(marks(last)) == 2
 
 
 def test_a_gradient_that_is_not_finite_skips_the_update_and_saves_good_weights(

@@ -225,7 +225,9 @@ def chrome_trace(spans: list[Span], base: dict | None = None) -> dict:
     and a stream it already names keeps its thread.
     """
     earlier = list(base.get("traceEvents", [])) if base else []
-    tids = {e["args"]["name"]: e["tid"] for e in earlier if e.get("ph") == "M"}
+    tids = {
+        e["args"]["name"]: e["tid"] for e in earlier if e.get("ph") == "M" and e.get("name") == "thread_name"
+    }
     named = set(tids)
     offset = max((e["ts"] + e.get("dur", 0.0) for e in earlier if e.get("ph") in ("X", "i")), default=0.0)
     origin = min((s.start for s in spans), default=0.0)
@@ -255,7 +257,9 @@ def chrome_trace(spans: list[Span], base: dict | None = None) -> dict:
 
 def write_chrome_trace(spans: list[Span], path: Path, base: dict | None = None) -> None:
     """Write ``chrome_trace(spans, base)`` as JSON to ``path``, through a temporary sibling replaced onto
-    it, so an interrupted write leaves the previous trace whole."""
+    it, so a write interrupted by the process's end leaves the previous trace in place (the file is not
+    synced to disk: a machine's crash may still leave it empty, and ``read_chrome_trace`` then starts a
+    new one)."""
     path = Path(path)
     tmp = path.with_name(f".{path.name}.tmp")
     tmp.write_text(json.dumps(chrome_trace(spans, base)))
@@ -281,15 +285,25 @@ def read_chrome_trace(path: Path) -> dict | None:
 
 
 def _continuable(event) -> bool:
-    """Whether ``chrome_trace`` can continue after ``event``: a thread name with its thread, or a span
-    or instant with a numeric time (other event kinds are kept as they are)."""
+    """Whether ``chrome_trace`` can continue after ``event``: a thread name with its integer thread, or a
+    span or instant with a finite time (other event kinds, such as a process name, are kept as they
+    are)."""
     if not isinstance(event, dict):
         return False
-    if event.get("ph") == "M":
-        return isinstance(event.get("tid"), int) and isinstance(event.get("args", {}).get("name"), str)
+    if event.get("ph") == "M" and event.get("name") == "thread_name":
+        args = event.get("args")
+        return _integer(event.get("tid")) and isinstance(args, dict) and isinstance(args.get("name"), str)
     if event.get("ph") in ("X", "i"):
-        return all(isinstance(event.get(k, 0.0), int | float) for k in ("ts", "dur")) and "ts" in event
+        return "ts" in event and all(_finite(event.get(k, 0.0)) for k in ("ts", "dur"))
     return True
+
+
+def _integer(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _finite(value) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
 
 
 POSTFIX_KEYS = (

@@ -263,8 +263,13 @@ TRACE_FILE = "trace.json"
 
 def timeline_figure(trace: dict, last_seconds: float = 30.0) -> Figure | None:
     """Gantt chart of the trace's last ``last_seconds``: one row per stream (main, decode, prefix), one
-    bar per phase span, coloured by phase name. None for an empty trace."""
-    names = {e["tid"]: e["args"]["name"] for e in trace.get("traceEvents", []) if e.get("ph") == "M"}
+    bar per phase span, coloured by phase name, and a dashed line where a resumed run continues the
+    trace. None for an empty trace."""
+    names = {
+        e["tid"]: e["args"]["name"]
+        for e in trace.get("traceEvents", [])
+        if e.get("ph") == "M" and e.get("name") == "thread_name"
+    }
     spans = [e for e in trace.get("traceEvents", []) if e.get("ph") == "X"]
     if not spans:
         return None
@@ -281,7 +286,15 @@ def timeline_figure(trace: dict, last_seconds: float = 30.0) -> Figure | None:
     ax.set_yticks(range(len(rows)), [names.get(tid, str(tid)) for tid in rows])
     start = max(end - last_seconds, min(e["ts"] for e in spans) / 1e6)
     ax.set_xlim(start, end)  # a span that began before the window is drawn from the window's start
-    ax.set_xlabel("seconds since the run started")
+    resumes = [
+        e["ts"] / 1e6 for e in trace["traceEvents"] if e.get("ph") == "i" and e.get("name") == "resumed"
+    ]
+    for at in (t for t in resumes if start <= t <= end):
+        ax.axvline(at, color="black", linestyle="--", linewidth=1)
+        ax.annotate("resumed", (at, len(rows) - 0.5), fontsize=8, ha="left", va="bottom")
+    ax.set_xlabel(
+        "seconds of training (resumed runs joined end to end)" if resumes else "seconds since the run started"
+    )
     ax.set_title(f"Step timeline (last {last_seconds:.0f} s)")
     handles = [Rectangle((0, 0), 1, 1, color=colours[n]) for n in phases]
     ax.legend(handles, phases, loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8)

@@ -47,12 +47,17 @@ def test_without_a_gpu_each_stops_with_one_line(script, monkeypatch, capsys):
 
 
 @pytest.mark.parametrize(
-    ("script", "args"), [("decode_settings.py", ["bogus"]), ("overlap_probe.py", ["serial"])]
+    ("script", "args"),
+    [
+        ("decode_settings.py", ["bogus"]),
+        ("overlap_probe.py", ["serial"]),
+        ("host_lag.py", ["out", "--row", "both"]),
+    ],
 )
 def test_a_bad_argument_is_a_usage_error_before_anything_runs(script, args, monkeypatch, capsys):
     path = next(p for p in SCRIPTS if p.name == script)
     assert _run(monkeypatch, path, args) == 2
-    assert f"{args[0]!r} is not one of" in capsys.readouterr().err
+    assert f"{args[-1]!r} is not one of" in capsys.readouterr().err
 
 
 def _suite(*args: str):

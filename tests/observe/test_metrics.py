@@ -175,11 +175,21 @@ def test_a_resumed_trace_continues_the_earlier_one(tmp_path, caplog):
     ]
     marks = [(e["name"], e["ts"]) for e in trace["traceEvents"] if e["ph"] == "i"]
     assert marks == [("resumed", 2e6)]
-    names = {(e["tid"], e["args"]["name"]) for e in trace["traceEvents"] if e["ph"] == "M"}
-    assert names == {(0, "main"), (1, "prefix"), (2, "decode")}
+    names = [(e["tid"], e["args"]["name"]) for e in trace["traceEvents"] if e["ph"] == "M"]
+    assert names == [(0, "main"), (1, "prefix"), (2, "decode")]  # each stream named once
     assert [p.name for p in tmp_path.iterdir()] == ["trace.json"]
     assert read_chrome_trace(tmp_path / "missing.json") is None
-    for text in ("{ torn", '{"traceEvents": [{"ph": "X", "ts": "late"}]}', "[1, 2]"):
+    other = {"name": "process_name", "ph": "M", "pid": 0, "args": {"name": "rollplex"}}
+    path.write_text(json.dumps({"traceEvents": [other, *earlier["traceEvents"]]}))
+    assert read_chrome_trace(path)["traceEvents"][0] == other  # kept as it is
+    bad_events = [
+        {"ph": "X", "ts": "late"},
+        {"ph": "X", "ts": True, "dur": 1.0},
+        {"ph": "i", "ts": float("nan")},
+        {"ph": "M", "name": "thread_name", "tid": 0, "args": "main"},
+        {"ph": "M", "name": "thread_name", "tid": False, "args": {"name": "main"}},
+    ]
+    for text in ("{ torn", "[1, 2]", *(json.dumps({"traceEvents": [e]}) for e in bad_events)):
         path.write_text(text)
         with caplog.at_level("WARNING"):
             assert read_chrome_trace(path) is None

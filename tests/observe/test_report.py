@@ -177,6 +177,19 @@ def test_timeline_from_trace(tmp_path):
     )
     assert window.axes[0].get_xlim() == (0.5, 2.0)  # the window, even though rollout began before it
     assert fig.axes[0].get_xlim() == (0.0, 2.0)  # a trace shorter than the window: from its start
+    assert not fig.axes[0].lines and fig.axes[0].get_xlabel() == "seconds since the run started"
+
+
+def test_the_timeline_marks_where_a_resumed_run_continues(tmp_path):
+    from rollplex.observe.metrics import Span, chrome_trace
+    from rollplex.observe.report import timeline_figure
+
+    first = chrome_trace([Span(0.0, 1.0, "rollout", "main"), Span(1.0, 2.0, "actor", "main")])
+    trace = chrome_trace([Span(7.0, 8.0, "rollout", "main")], base=first)
+    ax = timeline_figure(trace).axes[0]
+    assert [line.get_xdata()[0] for line in ax.lines] == [2.0]  # at the earlier trace's end
+    assert ax.get_xlabel() == "seconds of training (resumed runs joined end to end)"
+    assert not timeline_figure(trace, last_seconds=0.5).axes[0].lines  # the mark is outside the window
 
 
 def test_overlapped_phase1_is_counted_once():
