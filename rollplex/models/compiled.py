@@ -15,8 +15,8 @@ forward; with scope ``parts``, in each decoder layer ``input_layernorm``, ``self
 ``mlp``. The attention functions themselves (``models.attention``: plans with Python state, chunk
 plans read back to the host) stay opaque to torch.compile, so a layer compiles as two graphs, before
 and after the attention call (four where torch lacks ``nested_graph_breaks``; scope ``parts``: five,
-plus the residual adds run eagerly). Embeddings,
-the LM head and the decode step (compiled separately, rollout.decode) are untouched.
+plus the residual adds run eagerly). Embeddings, the LM head and the decode step (compiled separately,
+rollout.decode) are untouched.
 
 Why ``layer`` is the default: the prefix passes and the vision backward of the 3B workload are bound by
 the host's pace of launching work, not the device (``scripts/host_lag.py``; docs/benchmarks.md), and
@@ -64,10 +64,10 @@ def compiles_layers(requested: bool, device: torch.device) -> bool:
 
 
 # Inductor rounds to the low-precision dtype wherever eager PyTorch does. Without it, a value fused into
-# its consumer is used unrounded, and whether it is depends on the graph: a training graph saves the
-# residual sum for backward (rounded), an inference graph fuses it into the next norm (not rounded). The
-# detached and attached prefix passes of one prompt would then differ in bf16, and prefill fusion (the
-# attached pass seeding decode) would no longer give the serial schedule's update bitwise.
+# its consumer can be used unrounded, and whether it is depends on the graph: a training graph saves the
+# residual sum for backward (rounded), an inference graph can feed it straight into the next norm. The
+# detached and attached prefix passes of one prompt then differed in bf16 on one H200, and prefill fusion
+# (the attached pass seeding decode) no longer gave the serial schedule's update bitwise.
 _INDUCTOR_OPTIONS = {"emulate_precision_casts": True}
 
 
