@@ -36,10 +36,13 @@ rounding, since the traced backward formulas may sum in another order).
 from __future__ import annotations
 
 import functools
+import logging
 import types
 from collections.abc import Callable
 
 import torch
+
+log = logging.getLogger("rollplex")
 
 _MARK = "_rollplex_compiled"  # on a module: the compiled function its instance ``forward`` is bound to
 _TEXT_PARTS = ("input_layernorm", "self_attn", "post_attention_layernorm", "mlp")
@@ -71,11 +74,55 @@ def compiles_layers(requested: bool, device: torch.device) -> bool:
 _INDUCTOR_OPTIONS = {"emulate_precision_casts": True}
 
 
+# The first failure to compile a layer ("Type: message"), after which every compiled layer of the
+# process runs its class's own forward: a machine where torch.compile cannot build kernels (no C
+# compiler, no Triton) fails the same way for every layer.
+_FALLBACK: list[str] = []
+
+
+def compile_fallback() -> str | None:
+    """Why the layers run uncompiled although compilation was turned on (None: they run compiled)."""
+    return _FALLBACK[0] if _FALLBACK else None
+
+
+def _compile_errors() -> tuple[type[BaseException], ...]:
+    """What torch.compile raises when a backend fails to compile a graph."""
+    import torch._dynamo.exc
+
+    errors: list[type[BaseException]] = [torch._dynamo.exc.BackendCompilerFailed]
+    try:
+        from torch._inductor.exc import InductorError
+    except ImportError:
+        pass
+    else:
+        errors.append(InductorError)
+    return tuple(errors)
+
+
 @functools.cache
 def _compiled(forward, backend: str | Callable):
-    """One compiled function per (class forward, backend), shared by every instance."""
+    """One compiled function per (class forward, backend), shared by every instance: ``forward``
+    compiled, falling back to ``forward`` itself, with one warning, once compiling fails (``_FALLBACK``).
+    The returned function keeps ``forward`` as ``.eager``."""
     options = _INDUCTOR_OPTIONS if backend == "inductor" else None
-    return torch.compile(forward, backend=backend, dynamic=True, options=options)
+    compiled = torch.compile(forward, backend=backend, dynamic=True, options=options)
+
+    def guarded(self, *args, **kwargs):
+        if not _FALLBACK:
+            try:
+                return compiled(self, *args, **kwargs)
+            except _compile_errors() as err:
+                cause = getattr(err, "inner_exception", None) or err  # the backend's own error
+                _FALLBACK.append(f"{type(cause).__name__}: {(str(cause).strip().splitlines() or [''])[0]}")
+                log.warning(
+                    "compiling the layers failed (%s); they run uncompiled from here on "
+                    "(model.compile_layers: false skips compiling)",
+                    _FALLBACK[0],
+                )
+        return forward(self, *args, **kwargs)
+
+    guarded.eager = forward
+    return guarded
 
 
 def _targets(model, scope: str) -> list[torch.nn.Module]:

@@ -172,7 +172,7 @@ def test_switching_scope_and_off_and_following_the_mlp_class():
     block = model.model.visual.blocks[0]
     prepare_model(model, compile_layers=True)  # whole layers by default
     assert compiled_scope(model) == "layer"
-    assert block.forward.__func__._torchdynamo_orig_callable is type(block).forward
+    assert block.forward.__func__.eager is type(block).forward
     prepare_model(model, vision_attention="per_chunk")  # None: stays compiled, in its scope
     assert compiled_scope(model) == "layer"
     with pytest.raises(ValueError, match="compile scope 'whole'"):
@@ -183,9 +183,9 @@ def test_switching_scope_and_off_and_following_the_mlp_class():
     assert compiled_scope(model) == "parts" and "forward" not in vars(block)
     mlp = block.mlp
     assert type(mlp) is PaddedVisionMLP
-    assert mlp.forward.__func__._torchdynamo_orig_callable is PaddedVisionMLP.forward
+    assert mlp.forward.__func__.eager is PaddedVisionMLP.forward
     prepare_model(model, vision_mlp_padding=False, compile_layers=True)
-    assert mlp.forward.__func__._torchdynamo_orig_callable is type(mlp).forward
+    assert mlp.forward.__func__.eager is type(mlp).forward
     assert type(mlp) is not PaddedVisionMLP and compiled_scope(model) == "parts"
     prepare_model(model, compile_scope="layer")
     assert compiled_scope(model) == "layer" and "forward" not in vars(mlp)
@@ -210,6 +210,34 @@ def test_a_bad_scope_changes_nothing_on_an_uncompiled_model(compile_layers):
         )
     assert (model.model.visual.config._attn_implementation, type(block.mlp)) == before
     assert not _compiled_modules(model)
+
+
+def test_a_layer_that_fails_to_compile_runs_uncompiled_with_one_warning(monkeypatch, caplog):
+    """Where torch.compile cannot build kernels (here a backend that raises, as inductor does without a
+    C compiler), the first failure is named in one warning and every compiled layer runs its own
+    forward from then on: the same numbers as the eager model, and no second attempt."""
+    monkeypatch.setattr(compiled_module, "_FALLBACK", [])
+    attempts = []
+
+    def failing(gm, inputs):
+        attempts.append(1)
+        raise RuntimeError("no working C compiler found\nsecond line")
+
+    eager = _model()
+    model = copy.deepcopy(eager)
+    set_layer_compilation(model, True, backend=failing)
+    prompts, responses = _batch()
+    with caplog.at_level(logging.WARNING, logger="rollplex"):
+        got = _run(model, prompts, responses)
+        again = _run(model, prompts, responses)
+    want = _run(eager, prompts, responses)
+    assert attempts == [1] and compiled_scope(model) == "layer"
+    assert compiled_module.compile_fallback() == "RuntimeError: no working C compiler found"
+    warned = [r.getMessage() for r in caplog.records if "compiling the layers failed" in r.getMessage()]
+    assert len(warned) == 1 and "model.compile_layers: false" in warned[0]
+    for result in (got, again):
+        assert torch.equal(result[0], want[0]) and torch.equal(result[1], want[1])
+        assert all(torch.equal(result[2][name], grad) for name, grad in want[2].items())
 
 
 def test_inductor_rounds_where_eager_rounds(monkeypatch):
