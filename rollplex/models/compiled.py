@@ -76,8 +76,11 @@ _INDUCTOR_OPTIONS = {"emulate_precision_casts": True}
 
 # The first failure to compile a layer ("Type: message"), after which every compiled layer of the
 # process runs its class's own forward: a machine where torch.compile cannot build kernels (no C
-# compiler, no Triton) fails the same way for every layer.
+# compiler, no Triton) fails the same way for every layer, at the first compiled call. A failure after
+# a compiled call has succeeded is raised instead: it is not the machine, and running on uncompiled
+# would break activation checkpointing, whose recomputation must save what the compiled forward saved.
 _FALLBACK: list[str] = []
+_COMPILED_ONCE: list[bool] = []  # holds True once a compiled layer call has returned
 
 
 def compile_fallback() -> str | None:
@@ -102,16 +105,19 @@ def _compile_errors() -> tuple[type[BaseException], ...]:
 @functools.cache
 def _compiled(forward, backend: str | Callable):
     """One compiled function per (class forward, backend), shared by every instance: ``forward``
-    compiled, falling back to ``forward`` itself, with one warning, once compiling fails (``_FALLBACK``).
-    The returned function keeps ``forward`` as ``.eager``."""
+    compiled, falling back to ``forward`` itself, with one warning, if compiling fails before any
+    compiled call has succeeded (``_FALLBACK``; a later failure is raised). The returned function keeps
+    ``forward`` as ``.eager``."""
     options = _INDUCTOR_OPTIONS if backend == "inductor" else None
     compiled = torch.compile(forward, backend=backend, dynamic=True, options=options)
 
     def guarded(self, *args, **kwargs):
         if not _FALLBACK:
             try:
-                return compiled(self, *args, **kwargs)
+                out = compiled(self, *args, **kwargs)
             except _compile_errors() as err:
+                if _COMPILED_ONCE:
+                    raise
                 cause = getattr(err, "inner_exception", None) or err  # the backend's own error
                 _FALLBACK.append(f"{type(cause).__name__}: {(str(cause).strip().splitlines() or [''])[0]}")
                 log.warning(
@@ -119,6 +125,10 @@ def _compiled(forward, backend: str | Callable):
                     "(model.compile_layers: false skips compiling)",
                     _FALLBACK[0],
                 )
+            else:
+                if not _COMPILED_ONCE:
+                    _COMPILED_ONCE.append(True)
+                return out
         return forward(self, *args, **kwargs)
 
     guarded.eager = forward

@@ -217,6 +217,7 @@ def test_a_layer_that_fails_to_compile_runs_uncompiled_with_one_warning(monkeypa
     C compiler), the first failure is named in one warning and every compiled layer runs its own
     forward from then on: the same numbers as the eager model, and no second attempt."""
     monkeypatch.setattr(compiled_module, "_FALLBACK", [])
+    monkeypatch.setattr(compiled_module, "_COMPILED_ONCE", [])
     attempts = []
 
     def failing(gm, inputs):
@@ -238,6 +239,28 @@ def test_a_layer_that_fails_to_compile_runs_uncompiled_with_one_warning(monkeypa
     for result in (got, again):
         assert torch.equal(result[0], want[0]) and torch.equal(result[1], want[1])
         assert all(torch.equal(result[2][name], grad) for name, grad in want[2].items())
+
+
+def test_a_compile_failure_after_compiled_calls_is_raised(monkeypatch):
+    """Once a compiled layer call has succeeded, a failure to compile another variant is not the
+    machine: it is raised (running that layer uncompiled could break activation checkpointing, whose
+    recomputation must save what the compiled forward saved)."""
+    monkeypatch.setattr(compiled_module, "_FALLBACK", [])
+    monkeypatch.setattr(compiled_module, "_COMPILED_ONCE", [])
+    graphs = []
+
+    def fails_after_the_first_graphs(gm, inputs):
+        graphs.append(gm)
+        if len(graphs) > 2:
+            raise RuntimeError("a variant that does not compile")
+        return gm.forward
+
+    model = _model()
+    set_layer_compilation(model, True, backend=fails_after_the_first_graphs)
+    prompts, responses = _batch()
+    with pytest.raises(torch._dynamo.exc.BackendCompilerFailed, match="a variant that does not compile"):
+        _run(model, prompts, responses)
+    assert compiled_module.compile_fallback() is None
 
 
 def test_inductor_rounds_where_eager_rounds(monkeypatch):
