@@ -24,6 +24,13 @@ every compiled graph costs the host its own wrapper, guards and autograd node in
 recomputation and backward. Two graphs per layer instead of five, and the residual adds fused, cut
 that cost.
 
+Newer transformers releases checkpoint a layer inside its class ``forward``; there the layer's own
+forward is compiled and checkpointed around, as those releases do it (a checkpoint inside a compiled
+function, around the opaque attention call, would leave the layer uncompiled in every pass with
+gradients). Where the first compiled call cannot be compiled at all (no C compiler, no Triton), every
+compiled layer of the process runs uncompiled from then on, after one warning (``compile_fallback``);
+``compiled_scope`` still reports the scope installed.
+
 Each compiled forward is installed as the module instance's ``forward`` (a bound method of the class's
 own forward, compiled), inside any activation checkpoint of the layer, whichever way the transformers
 release wraps its layers. ``copy.deepcopy`` of the model gives the copy forwards bound to its own
@@ -102,19 +109,40 @@ def _compile_errors() -> tuple[type[BaseException], ...]:
     return tuple(errors)
 
 
+def _checkpointing_inner(forward) -> Callable | None:
+    """The layer's own forward where ``forward`` is the wrapper with which newer transformers releases
+    checkpoint a layer inside its ``forward`` (``forward_with_checkpointing``); None where the release
+    checkpoints around the call instead (``GradientCheckpointingLayer.__call__``)."""
+    inner = getattr(forward, "__wrapped__", None)
+    code = getattr(forward, "__code__", None)
+    named = code is not None and code.co_name == "forward_with_checkpointing"
+    return inner if inner is not None and named else None
+
+
 @functools.cache
 def _compiled(forward, backend: str | Callable):
     """One compiled function per (class forward, backend), shared by every instance: ``forward``
     compiled, falling back to ``forward`` itself, with one warning, if compiling fails before any
     compiled call has succeeded (``_FALLBACK``; a later failure is raised). The returned function keeps
-    ``forward`` as ``.eager``."""
+    ``forward`` as ``.eager``.
+
+    Where ``forward`` checkpoints the layer itself (``_checkpointing_inner``), the layer's own forward is
+    compiled and checkpointed here the way transformers does it: compiled, the checkpoint would hold the
+    opaque attention call, which torch.compile cannot trace inside a checkpoint, and the whole layer
+    would run uncompiled in every pass with gradients."""
     options = _INDUCTOR_OPTIONS if backend == "inductor" else None
-    compiled = torch.compile(forward, backend=backend, dynamic=True, options=options)
+    inner = _checkpointing_inner(forward)
+    compiled = torch.compile(inner or forward, backend=backend, dynamic=True, options=options)
+
+    def run(self, *args, **kwargs):
+        if inner is not None and self.gradient_checkpointing and self.training and torch.is_grad_enabled():
+            return self._gradient_checkpointing_func(functools.partial(compiled, self, **kwargs), *args)
+        return compiled(self, *args, **kwargs)
 
     def guarded(self, *args, **kwargs):
         if not _FALLBACK:
             try:
-                out = compiled(self, *args, **kwargs)
+                out = run(self, *args, **kwargs)
             except _compile_errors() as err:
                 if _COMPILED_ONCE:
                     raise

@@ -118,11 +118,14 @@ def test_compiled_layers_trace_the_same_arithmetic(caplog, scope, modules, graph
     assert first > 0 and len(graphs) == first  # the second pass is served from the compile cache
     assert not [r for r in caplog.records if "recompile_limit" in r.getMessage()]
     layer = compiled.model.language_model.layers[0]
+    layer.register_forward_pre_hook(lambda *_: calls.clear())
+    counted = []
+    layer.register_forward_hook(lambda *_: counted.append(len(calls)))
     with torch.no_grad():
-        layer.register_forward_pre_hook(lambda *_: calls.clear())
-        counted = []
-        layer.register_forward_hook(lambda *_: counted.append(len(calls)))
         _score(compiled, prompts, responses, attached=False)
+    assert counted and set(counted) == {graphs_per_layer}, counted
+    counted.clear()  # with gradients, under activation checkpointing (also where the transformers
+    _score(compiled, prompts, responses, attached=True)  # release checkpoints inside the layer's forward)
     assert counted and set(counted) == {graphs_per_layer}, counted
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
     assert got[2].keys() == want[2].keys()
@@ -260,6 +263,25 @@ def test_a_compile_failure_after_compiled_calls_is_raised(monkeypatch):
     prompts, responses = _batch()
     with pytest.raises(torch._dynamo.exc.BackendCompilerFailed, match="a variant that does not compile"):
         _run(model, prompts, responses)
+    assert compiled_module.compile_fallback() is None
+
+
+def test_an_error_of_a_compiled_layer_at_run_time_is_raised(monkeypatch):
+    """Only a failure to compile falls back: an error raised by compiled code as it runs propagates."""
+    monkeypatch.setattr(compiled_module, "_FALLBACK", [])
+    monkeypatch.setattr(compiled_module, "_COMPILED_ONCE", [])
+
+    def raising_graph(gm, inputs):
+        def run(*args):
+            raise ValueError("raised by the compiled graph")
+
+        return run
+
+    model = _model()
+    set_layer_compilation(model, True, backend=raising_graph)
+    prompts, responses = _batch()
+    with pytest.raises(ValueError, match="raised by the compiled graph"), torch.no_grad():
+        _score(model, prompts, responses, attached=False)
     assert compiled_module.compile_fallback() is None
 
 
