@@ -55,7 +55,7 @@ def _field(default: Any, help: str, **limits: Any) -> Any:
 
 VISION_ATTENTION = ("per_chunk", "batched")  # model.vision_attention (models.forward.prepare_model)
 DECODE_ATTENTION = ("auto", "dense", "triton")  # rollout.decode_attention (rollout.decode.StaticDecoder)
-COMPILE_SCOPES = ("layer", "parts")  # model.compile_scope (models.compiled.SCOPES)
+COMPILE_SCOPES = ("layer", "parts")  # model.compile_scope (models.compiled)
 COMPILE_MODES = ("default", "max-autotune")  # rollout.compile_mode (rollout.decode._compiled_layer)
 
 

@@ -43,6 +43,7 @@ from rollplex.models.compiled import compiles_layers
 from rollplex.models.forward import enable_checkpointing, prepare_model
 from rollplex.models.positions import VisionTokens
 from rollplex.observe.metrics import (
+    TRACE_FILE,
     MetricsWriter,
     PhaseTimer,
     ProgressBar,
@@ -384,7 +385,7 @@ def train(cfg: Config, resume: bool = False, overwrite: bool = False) -> Path:
     run.run_dir.mkdir(parents=True, exist_ok=True)
     save_config(cfg, run.run_dir / "config.yaml")
     metrics = MetricsWriter(run.run_dir, resume_step=step if resume else None)
-    trace_path = run.run_dir / "trace.json"
+    trace_path = run.run_dir / TRACE_FILE
     earlier_trace = read_chrome_trace(trace_path) if resume else None
     first_eval = {} if resume else _maybe_eval(run, step, force=True)
     if first_eval:
@@ -441,7 +442,7 @@ def _claim_run_dir(run_dir: Path, resume: bool, overwrite: bool) -> None:
         )
     for path in held:
         shutil.rmtree(path) if path.is_dir() else path.unlink()
-    (run_dir / "trace.json").unlink(missing_ok=True)
+    (run_dir / TRACE_FILE).unlink(missing_ok=True)
 
 
 def _log_line(record: dict) -> str:

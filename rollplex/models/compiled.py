@@ -49,12 +49,13 @@ from collections.abc import Callable
 
 import torch
 
+from rollplex.config import COMPILE_SCOPES as SCOPES  # model.compile_scope
+
 log = logging.getLogger("rollplex")
 
 _MARK = "_rollplex_compiled"  # on a module: the compiled function its instance ``forward`` is bound to
 _TEXT_PARTS = ("input_layernorm", "self_attn", "post_attention_layernorm", "mlp")
 _VISION_PARTS = ("norm1", "attn", "norm2", "mlp")
-SCOPES = ("layer", "parts")  # model.compile_scope
 # The attention call breaks the graph inside the attention module, a frame nested in the layer's. With
 # torch's ``nested_graph_breaks`` (in recent releases) tracing resumes inside that frame: two graphs per layer.
 # Without it the break reaches the layer's frame, and the attention module's frame compiles apart: four.

@@ -45,6 +45,7 @@ from tqdm import tqdm
 from rollplex.types import StepStats
 
 METRICS_FILE = "metrics.jsonl"
+TRACE_FILE = "trace.json"  # a run folder's Chrome trace (loop.train writes it, observe.report draws it)
 log = logging.getLogger("rollplex")
 
 

@@ -26,7 +26,7 @@ from matplotlib.figure import Figure
 from matplotlib.patches import Rectangle
 from matplotlib.ticker import MaxNLocator
 
-from rollplex.observe.metrics import read_metrics
+from rollplex.observe.metrics import TRACE_FILE, read_metrics
 
 REPORT_DIR = "report"
 DIAGNOSTICS = (
@@ -256,9 +256,6 @@ def diagnostics_figure(rows: Sequence[dict]) -> Figure | None:
         ax.plot(*series(rows, key))
         _step_axis(ax, title=title)
     return fig
-
-
-TRACE_FILE = "trace.json"
 
 
 def timeline_figure(trace: dict, last_seconds: float = 30.0) -> Figure | None:
