@@ -164,6 +164,16 @@ def _compiled(forward, backend: str | Callable):
     return guarded
 
 
+def check_scope(scope: str) -> None:
+    """Check that ``scope`` is a compile scope (``model.compile_scope``).
+
+    Raises:
+        ValueError: ``scope`` is not one of ``SCOPES``.
+    """
+    if scope not in SCOPES:
+        raise ValueError(f"compile scope {scope!r}: expected one of {SCOPES}")
+
+
 def _targets(model, scope: str) -> list[torch.nn.Module]:
     """The modules compiled under ``scope``: every decoder layer and vision block of ``model``
     (``layer``), or their norms, attention modules and MLPs (``parts``).
@@ -172,8 +182,7 @@ def _targets(model, scope: str) -> list[torch.nn.Module]:
         ValueError: ``model`` is not a Qwen2.5-VL model (a layer or a part of one is missing), or an
             unknown ``scope``.
     """
-    if scope not in SCOPES:
-        raise ValueError(f"compile scope {scope!r}: expected one of {SCOPES}")
+    check_scope(scope)
     try:
         layers = [(layer, _TEXT_PARTS) for layer in model.model.language_model.layers]
         layers += [(block, _VISION_PARTS) for block in model.model.visual.blocks]

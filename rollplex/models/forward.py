@@ -32,7 +32,7 @@ from rollplex.models.attention import (
     suffix_bool_mask,
 )
 from rollplex.models.compiled import (
-    SCOPES,
+    check_scope,
     compiled_scope,
     layers_compiled,
     refuse_foreign_forwards,
@@ -72,8 +72,7 @@ def prepare_model(
     if vision_attention not in VISION_ATTENTION:
         raise ValueError(f"vision_attention {vision_attention!r}: expected one of {VISION_ATTENTION}")
     scope = compile_scope if compile_scope is not None else compiled_scope(model) or "layer"
-    if scope not in SCOPES:
-        raise ValueError(f"compile scope {scope!r}: expected one of {SCOPES}")
+    check_scope(scope)  # before anything changes
     compiled = layers_compiled(model) if compile_layers is None else compile_layers
     if compiled:
         refuse_foreign_forwards(model, scope)  # before anything changes
