@@ -707,10 +707,10 @@ def field_docs() -> list[tuple[str, str, Any, str]]:
 def format_config_help(job: dict | None = None) -> str:
     """Every config field with its type, default and description, one per line; where the nested config
     dict ``job`` (e.g. the embedded default run's) sets a field to another value, that value follows
-    as ``(default job: ...)``."""
+    as ``(default job: ...)``. A header line says what every value must satisfy."""
     rows = field_docs()
     width = max(len(p) for p, *_ in rows)
-    lines = []
+    lines = ["field = default  description [bounds]; every float must be finite (no nan or inf)"]
     for path, type_name, default, text in rows:
         section, name = path.split(".", 1)
         line = f"{path:<{width}}  {type_name} = {default!r}  {text}"

@@ -39,7 +39,7 @@ from rollplex.data.encode import PromptBuilder
 from rollplex.data.loader import PromptSource
 from rollplex.data.records import load_records
 from rollplex.data.vision import ImageSampling, VideoSampling
-from rollplex.models.compiled import compiles_layers
+from rollplex.models.compiled import compile_fallback, compiles_layers
 from rollplex.models.forward import enable_checkpointing, prepare_model
 from rollplex.models.positions import VisionTokens
 from rollplex.observe.metrics import (
@@ -384,7 +384,8 @@ def train(cfg: Config, resume: bool = False, overwrite: bool = False) -> Path:
             return run.run_dir
     run.run_dir.mkdir(parents=True, exist_ok=True)
     save_config(cfg, run.run_dir / "config.yaml")
-    metrics = MetricsWriter(run.run_dir, resume_step=step if resume else None)
+    resume_step = step if resume else None  # metrics and trace spans after it are replaced
+    metrics = MetricsWriter(run.run_dir, resume_step=resume_step)
     trace_path = run.run_dir / TRACE_FILE
     earlier_trace = read_chrome_trace(trace_path) if resume else None
     first_eval = {} if resume else _maybe_eval(run, step, force=True)
@@ -394,6 +395,7 @@ def train(cfg: Config, resume: bool = False, overwrite: bool = False) -> Path:
     bar = ProgressBar(total=cfg.run.steps, initial=step, enabled=cfg.run.progress)
     record: dict = {}
     while step < cfg.run.steps:
+        timer.step = step + 1  # the trace's spans carry the step metrics.jsonl numbers them by
         record = _train_step(run, step, timer)
         run.updates_skipped += record["skipped_updates"]
         step += 1
@@ -412,7 +414,8 @@ def train(cfg: Config, resume: bool = False, overwrite: bool = False) -> Path:
                 trainer_state=trainer_state(run, step),
                 keep=cfg.run.keep_checkpoints,
             )
-            write_chrome_trace(timer.spans, trace_path, earlier_trace)  # a killed run keeps its trace
+            # a killed run keeps its trace
+            write_chrome_trace(timer.spans, trace_path, earlier_trace, resume_step)
     bar.close()  # the last step always saves a checkpoint, and with it the trace
     _summary(run, first_eval, record, time.perf_counter() - started)
     return run.run_dir
@@ -524,6 +527,9 @@ def _summary(run: Run, first: dict, last: dict, seconds: float) -> None:
     if run.updates_skipped:
         plural = "s" if run.updates_skipped != 1 else ""
         parts.append(f"{run.updates_skipped} update{plural} skipped (gradient norm not finite)")
+    fallback = compile_fallback()
+    if fallback is not None:
+        parts.append(f"layers ran uncompiled ({fallback})")
     log.info("done: %s", "; ".join(parts))
     if not math.isfinite(last.get("loss", 0.0)):
         log.warning("the last loss was not finite")

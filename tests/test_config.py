@@ -351,7 +351,8 @@ def test_every_field_has_a_help_line():
     assert by_path["rollout.group_size"] == ("int", 8, "responses sampled per prompt (N) [>= 2]")
     assert by_path["reward.functions"][0] == "list[str]"
     help_text = format_config_help()
-    assert len(help_text.splitlines()) == n_fields
+    assert len(help_text.splitlines()) == n_fields + 1  # and a header
+    assert "every float must be finite" in help_text.splitlines()[0]
     assert "rollout.top_p" in help_text and "(0, 1]" in help_text
     job = format_config_help({"rollout": {"top_k": 5, "top_p": 1.0}}).splitlines()
     assert [line.split()[0] for line in job if "(default job:" in line] == ["rollout.top_k"]

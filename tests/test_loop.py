@@ -250,6 +250,18 @@ def test_resume_without_a_checkpoint_writes_nothing(assets, tmp_path):
     assert not (tmp_path / "none").exists()
 
 
+def test_the_summary_says_when_the_layers_ran_uncompiled(assets, tmp_path, monkeypatch, caplog):
+    import rollplex.loop as loop
+
+    monkeypatch.setattr(loop, "compile_fallback", lambda: "RuntimeError: no working C compiler found")
+    with caplog.at_level("INFO"):
+        train(_config(assets, tmp_path / "run", 1, **{"eval.every": 0, "data.val_path": ""}))
+    done = [r.getMessage() for r in caplog.records if r.getMessage().startswith("done:")]
+    assert len(done) == 1 and done[0].endswith(
+        "layers ran uncompiled (RuntimeError: no working C compiler found)"
+    )
+
+
 def test_resume_with_no_step_left_says_so(assets, tmp_path, caplog):
     """Resuming a run already at ``run.steps`` trains nothing, says why and how to go on, and leaves
     every file of the run folder as it was (its trace, config and metrics included)."""
@@ -304,6 +316,26 @@ def test_the_trace_outlives_a_killed_run_and_a_resume_continues_it(assets, tmp_p
     last = json.loads(path.read_text())
     assert last["traceEvents"][: len(second["traceEvents"])] == second["traceEvents"]
     assert len(rollouts(last)) == 6 and len(marks(last)) == 2
+    steps = [e["args"]["step"] for e in last["traceEvents"] if e["ph"] == "X" and e["name"] == "rollout"]
+    assert steps == [1, 2, 3, 4, 5, 6]
+
+
+def test_a_resume_from_an_older_checkpoint_traces_each_step_once(assets, tmp_path):
+    """The newest checkpoint lost (step 4 of 4): the resume trains steps 3 and 4 again from step 2's,
+    and the trace keeps steps 1-2 of the first run and steps 3-4 of the resumed one."""
+    cfg = _config(
+        assets, tmp_path / "run", 4, **{"eval.every": 0, "data.val_path": "", "run.keep_checkpoints": 2}
+    )
+    run_dir = train(cfg)
+    ckpts = run_dir / "checkpoints"
+    shutil.rmtree(ckpts / "step_000004")
+    (ckpts / "latest").unlink()
+    train(cfg, resume=True)
+    trace = json.loads((run_dir / "trace.json").read_text())
+    steps = [e["args"]["step"] for e in trace["traceEvents"] if e["ph"] == "X" and e["name"] == "rollout"]
+    assert steps == [1, 2, 3, 4]
+    marks = [e["args"]["step"] for e in trace["traceEvents"] if e["ph"] == "i" and e["name"] == "resumed"]
+    assert marks == [3]
 
 
 def test_a_gradient_that_is_not_finite_skips_the_update_and_saves_good_weights(

@@ -20,6 +20,10 @@ Rows (each from the same initial weights and optimizer state, same prompts and s
     serial-parts          serial, each layer's norms, attention module and MLP compiled apart
                           (model.compile_scope: parts; every other compiled row compiles whole layers)
     both-parts            both, likewise
+    serial-whole-batch    serial, every group of the mini-batch in one actor micro-batch
+                          (algo.micro_batch_groups: 0; every other row backpropagates one group at a time)
+    both-whole-batch      both, likewise (its speedup and parameter difference are against
+                          serial-whole-batch, which accumulates its gradient the same way)
 
 Warm-up iterations (allocator growth, graph capture, compilation, and auto's policy trials) are
 discarded; the table gives the median step time and its spread, the speedup over serial, the Phase-1
@@ -44,7 +48,7 @@ import torch
 from rollplex.bench.common import PromptShape, Workload, bench_device, synthetic_prompt, workload_model
 from rollplex.bench.decode import copy_bandwidth, step_bytes
 from rollplex.config import load_config
-from rollplex.models.compiled import compiles_layers
+from rollplex.models.compiled import compile_fallback, compiles_layers
 from rollplex.models.forward import enable_checkpointing, prepare_model
 from rollplex.observe.metrics import PhaseTimer
 from rollplex.optim import MasterWeightAdamW
@@ -67,7 +71,12 @@ ROWS = {
     "both-eager": {**_BOTH, "model.compile_layers": False},
     "serial-parts": {"run.schedule": "serial", "model.compile_scope": "parts"},
     "both-parts": {**_BOTH, "model.compile_scope": "parts"},
+    "serial-whole-batch": {"run.schedule": "serial", "algo.micro_batch_groups": 0},
+    "both-whole-batch": {**_BOTH, "algo.micro_batch_groups": 0},
 }
+# the row each row is compared with (speedup, saving, parameter difference): the serial row that
+# splits its mini-batch into the same micro-batches, so its gradient sums in the same order
+BASELINES = {name: "serial-whole-batch" if name.endswith("-whole-batch") else "serial" for name in ROWS}
 MAIN_ROWS = ("serial", "overlap", "fusion", "both", "auto")
 
 
@@ -207,6 +216,10 @@ def _run_row(work: _Workload, name: str, cfg: ScheduleBenchConfig) -> tuple[dict
         row["alloc_retries"] = stats.get("num_alloc_retries", 0)
         row["device_allocs"] = stats.get("num_device_alloc", 0)
         row["device_frees"] = stats.get("num_device_free", 0)
+    fallback = compile_fallback()
+    if fallback is not None:  # the row's layers ran uncompiled: its times are not the compiled build's
+        row["compile_fallback"] = fallback
+        print(f"  {name}: layers ran uncompiled: {fallback}", flush=True)
     if getattr(step, "trials", None):
         row["auto_policy"] = step.policy.name
         row["auto_trials_span_s"] = {p.name: statistics.median(t) for p, t in step.timings.items()}
@@ -218,10 +231,10 @@ def _run_row(work: _Workload, name: str, cfg: ScheduleBenchConfig) -> tuple[dict
 def _summarise(rows: dict, tokens: int, roofline_s: float) -> None:
     """Speedup and saving over serial, and decode seconds per step against the roofline, per row
     (standalone decode time T_D over the decode steps; ``tokens`` − 1 where a row does not count them)."""
-    serial = rows.get("serial", {}).get("step_s_median")
-    for row in rows.values():
+    for name, row in rows.items():
         if "error" in row:
             continue
+        serial = rows.get(BASELINES[name], {}).get("step_s_median")
         if serial is not None:
             row["speedup_vs_serial"] = serial / row["step_s_median"]
             row["saving_vs_serial_s"] = serial - row["step_s_median"]
@@ -251,12 +264,12 @@ def run_schedule_bench(cfg: ScheduleBenchConfig, out: Path | None = None) -> Sch
             result.rows[name] = {"error": "out of memory"}
             torch.cuda.empty_cache()
         _write(result, out)  # after every row, so a run cut short keeps what it measured
-    if "serial" in weights:
-        for name, state in weights.items():
-            if result.rows[name]["steps_taken"] != result.rows["serial"]["steps_taken"]:
-                continue  # auto takes more steps (its trials); tests/schedule checks its update on the CPU
-            diff = max(float((state[k].float() - weights["serial"][k].float()).abs().max()) for k in state)
-            result.rows[name]["max_abs_param_diff_vs_serial"] = diff
+    for name, state in weights.items():
+        base = BASELINES[name]
+        if base not in weights or result.rows[name]["steps_taken"] != result.rows[base]["steps_taken"]:
+            continue  # auto takes more steps (its trials); tests/schedule checks its update on the CPU
+        diff = max(float((state[k].float() - weights[base][k].float()).abs().max()) for k in state)
+        result.rows[name]["max_abs_param_diff_vs_serial"] = diff
     bytes_per_step = step_bytes(
         work.actor, [p.length for p in work.prompts], cfg.group_size, cfg.response_tokens
     )

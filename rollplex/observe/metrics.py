@@ -135,12 +135,15 @@ class MetricsWriter:
 
 @dataclass(frozen=True)
 class Span:
-    """One timed interval: ``start``/``end`` in seconds of ``time.perf_counter``, phase name, stream label."""
+    """One timed interval: ``start``/``end`` in seconds of ``time.perf_counter``, phase name, stream label,
+    and the optimizer step it belongs to (1-based, as ``metrics.jsonl`` numbers steps; None outside a
+    training loop)."""
 
     start: float
     end: float
     name: str
     stream: str
+    step: int | None = None
 
 
 class PhaseTimer:
@@ -152,7 +155,8 @@ class PhaseTimer:
         clock: seconds counter (``time.perf_counter``; tests pass a fake).
 
     Phases with the same name in one step add up. Nested phases are timed independently (an outer
-    ``"step"`` phase includes its inner phases).
+    ``"step"`` phase includes its inner phases). ``step``, when the caller sets it, stamps every span
+    recorded from then on (the trace then names each span's optimizer step).
 
     Example:
         timer = PhaseTimer()
@@ -168,6 +172,7 @@ class PhaseTimer:
         self._clock = clock
         self._totals: dict[str, float] = defaultdict(float)
         self.spans: list[Span] = []
+        self.step: int | None = None
 
     def _now(self) -> float:
         if self._sync is not None:
@@ -192,7 +197,7 @@ class PhaseTimer:
     def record(self, name: str, start: float, end: float, stream: str = "main") -> None:
         """Add a span timed elsewhere (e.g. by a worker thread that synchronises only its own stream)."""
         self._totals[name] += end - start
-        self.spans.append(Span(start, end, name, stream))
+        self.spans.append(Span(start, end, name, stream, self.step))
 
     def pop(self) -> dict[str, float]:
         """``{"time/<phase>": seconds}`` accumulated since the last pop, in first-use order; then reset."""
@@ -218,14 +223,17 @@ def profiled(name: str) -> Callable[[Callable], Callable]:
     return wrap
 
 
-def chrome_trace(spans: list[Span], base: dict | None = None) -> dict:
-    """Trace Event Format dict: one ``"X"`` event per span (µs from the first span), one thread per stream.
+def chrome_trace(spans: list[Span], base: dict | None = None, resume_step: int | None = None) -> dict:
+    """Trace Event Format dict: one ``"X"`` event per span (µs from the first span), one thread per stream;
+    a span's optimizer step goes to its event's ``args`` as ``{"step": n}``.
 
     With ``base`` (the trace of the run's earlier processes, before a resume), its events come first,
-    unchanged; the spans follow from its last event's end, after an instant event ``"resumed"`` there,
-    and a stream it already names keeps its thread.
+    unchanged, but for the spans of steps after ``resume_step`` (the step the run resumed at: a run
+    resumed from an older checkpoint trains those steps again, and their new spans replace the old);
+    the spans follow from the last kept event's end, after an instant event ``"resumed"`` there, and a
+    stream the base already names keeps its thread.
     """
-    earlier = list(base.get("traceEvents", [])) if base else []
+    earlier = [e for e in (base.get("traceEvents", []) if base else []) if not _after(e, resume_step)]
     tids = {
         e["args"]["name"]: e["tid"] for e in earlier if e.get("ph") == "M" and e.get("name") == "thread_name"
     }
@@ -234,20 +242,24 @@ def chrome_trace(spans: list[Span], base: dict | None = None) -> dict:
     origin = min((s.start for s in spans), default=0.0)
     events = []
     if earlier and spans:
-        events.append({"name": "resumed", "ph": "i", "s": "g", "ts": offset, "pid": 0, "tid": 0})
+        mark = {"name": "resumed", "ph": "i", "s": "g", "ts": offset, "pid": 0, "tid": 0}
+        if resume_step is not None:  # the mark goes with the steps it precedes, should those be retrained
+            mark["args"] = {"step": resume_step + 1}
+        events.append(mark)
     for span in spans:
         tid = tids.setdefault(span.stream, max(tids.values(), default=-1) + 1)
         start_us = offset + (span.start - origin) * 1e6
-        events.append(
-            {
-                "name": span.name,
-                "ph": "X",
-                "ts": start_us,
-                "dur": (span.end - span.start) * 1e6,
-                "pid": 0,
-                "tid": tid,
-            }
-        )
+        event = {
+            "name": span.name,
+            "ph": "X",
+            "ts": start_us,
+            "dur": (span.end - span.start) * 1e6,
+            "pid": 0,
+            "tid": tid,
+        }
+        if span.step is not None:
+            event["args"] = {"step": span.step}
+        events.append(event)
     names = [
         {"name": "thread_name", "ph": "M", "pid": 0, "tid": t, "args": {"name": s}}
         for s, t in tids.items()
@@ -256,14 +268,23 @@ def chrome_trace(spans: list[Span], base: dict | None = None) -> dict:
     return {"traceEvents": earlier + names + events, "displayTimeUnit": "ms"}
 
 
-def write_chrome_trace(spans: list[Span], path: Path, base: dict | None = None) -> None:
-    """Write ``chrome_trace(spans, base)`` as JSON to ``path``, through a temporary sibling replaced onto
+def _after(event: dict, step: int | None) -> bool:
+    """Whether ``event`` is a span or instant of an optimizer step after ``step`` (never for None)."""
+    args = event.get("args")
+    stamped = args.get("step") if isinstance(args, dict) else None
+    return step is not None and event.get("ph") in ("X", "i") and _integer(stamped) and stamped > step
+
+
+def write_chrome_trace(
+    spans: list[Span], path: Path, base: dict | None = None, resume_step: int | None = None
+) -> None:
+    """Write ``chrome_trace(spans, base, resume_step)`` as JSON to ``path``, through a temporary sibling replaced onto
     it, so a write interrupted by the process's end leaves the previous trace in place (the file is not
     synced to disk: a machine's crash may still leave it empty, and ``read_chrome_trace`` then starts a
     new one)."""
     path = Path(path)
     tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(json.dumps(chrome_trace(spans, base)))
+    tmp.write_text(json.dumps(chrome_trace(spans, base, resume_step)))
     os.replace(tmp, path)
 
 

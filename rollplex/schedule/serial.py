@@ -44,8 +44,10 @@ def serial_step(
         scored = reward_phase(roles, rollout, shuffled)
     with timer.phase("reference"):
         scored = reference_phase(roles, scored)
-    with timer.phase("actor"):
-        old_logprobs = actor_old_logprobs(roles, scored)
+    old_logprobs = None
+    if cfg.algo.mini_batches > 1:  # one update per batch: the ratio's old log-probs are its own, detached
+        with timer.phase("actor"):
+            old_logprobs = actor_old_logprobs(roles, scored)
     stats, norms = [], []
     for groups in mini_batches(len(prompts), cfg.algo.mini_batches):
         with timer.phase("actor"):

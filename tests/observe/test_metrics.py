@@ -129,6 +129,43 @@ def test_chrome_trace_events(tmp_path):
     assert chrome_trace([]) == {"traceEvents": [], "displayTimeUnit": "ms"}
 
 
+def test_spans_carry_the_step_the_timer_is_at_and_the_trace_names_it():
+    ticks = iter([0.0, 1.0, 2.0, 3.0, 4.0, 5.0])
+    timer = PhaseTimer(clock=lambda: next(ticks))
+    with timer.phase("data"):  # before a loop sets the step
+        pass
+    timer.step = 7
+    with timer.phase("rollout"):
+        pass
+    timer.record("prefix", 2.5, 2.75, "prefix")  # a span timed by a worker thread
+    assert [s.step for s in timer.spans] == [None, 7, 7]
+    events = [e for e in chrome_trace(timer.spans)["traceEvents"] if e["ph"] == "X"]
+    assert [e.get("args") for e in events] == [None, {"step": 7}, {"step": 7}]
+
+
+def test_a_run_resumed_at_an_earlier_step_replaces_the_later_steps_spans():
+    """Resumed at step 2 from a trace of steps 1-3 (a later checkpoint was lost): step 3's spans and a
+    mark of an earlier resume before step 3 go, unstamped events stay, the new spans follow from the
+    end of step 2, after a mark stamped with the step it precedes."""
+    first = [Span(float(i), i + 0.5, "rollout", "main", i) for i in (1, 2, 3)]
+    base = chrome_trace(first)
+    base["traceEvents"].insert(
+        2, {"name": "resumed", "ph": "i", "s": "g", "ts": 2e6, "pid": 0, "tid": 0, "args": {"step": 3}}
+    )
+    base["traceEvents"].append({"name": "old", "ph": "X", "ts": 9e6, "dur": 1.0, "pid": 0, "tid": 0})
+    trace = chrome_trace([Span(40.0, 40.5, "rollout", "main", 3)], base, resume_step=2)
+    spans = [(e["name"], e["ts"], e.get("args")) for e in trace["traceEvents"] if e["ph"] == "X"]
+    assert spans == [
+        ("rollout", 0.0, {"step": 1}),
+        ("rollout", 1e6, {"step": 2}),
+        ("old", 9e6, None),
+        ("rollout", 9e6 + 1.0, {"step": 3}),
+    ]
+    marks = [(e["ts"], e["args"]) for e in trace["traceEvents"] if e["ph"] == "i"]
+    assert marks == [(9e6 + 1.0, {"step": 3})]
+    assert chrome_trace([], base, resume_step=5)["traceEvents"] == base["traceEvents"]  # nothing after 5
+
+
 def test_postfix_fields():
     assert postfix({"reward_mean": 0.5, "accuracy": 0.25, "time/step": 2.04, "loss": 1.0}) == {
         "reward": "0.500",

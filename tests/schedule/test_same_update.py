@@ -156,7 +156,7 @@ def test_barriers(assets, tmp_path, device):  # noqa: F811
     if device == "cuda" and not torch.cuda.is_available():
         pytest.skip("needs CUDA")
     for name, order in (
-        ("serial", ["rollout", "rewards", "reference", "actor", "actor", "optimizer"]),
+        ("serial", ["rollout", "rewards", "reference", "actor", "optimizer"]),
         ("sequential", ["rollout", "prefix", "rewards", "reference", "actor", "optimizer"]),
         ("fused-sequential", ["prefix", "rollout", "prefix", "rewards", "reference", "actor", "optimizer"]),
         ("rollplex", ["rewards", "reference", "actor", "optimizer"]),  # Phase 1 on two threads

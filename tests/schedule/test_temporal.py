@@ -175,7 +175,7 @@ def test_barriers_hold_with_the_shuffled_rollout(assets, tmp_path):  # noqa: F81
     """The shuffled rollout reads θ_k after the ordered one and before rewards; nothing writes θ_k before
     the optimizer."""
     for name, order in (
-        ("serial", ["rollout", "temporal", "rewards", "reference", "actor", "actor", "optimizer"]),
+        ("serial", ["rollout", "temporal", "rewards", "reference", "actor", "optimizer"]),
         ("rollplex", ["temporal", "rewards", "reference", "actor", "optimizer"]),  # Phase 1 on two threads
     ):
         events = second_step_events(_config(assets, tmp_path / name, 2, **TEMPORAL, **SCHEDULES[name]))
