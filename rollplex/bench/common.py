@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
+import zlib
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -263,3 +264,18 @@ def median(values: list[float]) -> float:
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+def distinct_reward(completion: str, record) -> float:
+    """A reward for benchmarks and tests, in [0, 1): a CRC-32 of the completion, so two different
+    completions score differently with near certainty. A group then has nonzero advantages and the
+    updates compared are not zero, where on random weights an accuracy reward scores every response 0,
+    the actor equals the reference, and the step's gradient is exactly zero in every schedule.
+
+    Args:
+        completion: the response text. record: the sample (unused).
+
+    Returns:
+        float in [0, 1) (multiples of 0.001).
+    """
+    return (zlib.crc32(completion.encode()) % 1000) / 1000

@@ -24,6 +24,12 @@ Rows (each from the same initial weights and optimizer state, same prompts and s
                           (algo.micro_batch_groups: 0; every other row backpropagates one group at a time)
     both-whole-batch      both, likewise (its speedup and parameter difference are against
                           serial-whole-batch, which accumulates its gradient the same way)
+    serial-again          serial once more: whether serial's own update is the same from run to run
+                          (its parameter and optimizer differences are against serial's)
+    serial-flex           serial, the suffix attention as flex_attention with a block mask, which skips
+                          the blocks where a response would see another response's keys
+                          (ROLLPLEX_SUFFIX_ATTENTION=flex for the row; the others use masked SDPA on CUDA)
+    both-flex             both, likewise
 
 Warm-up iterations (allocator growth, graph capture, compilation, and auto's policy trials) are
 discarded; the table gives the median step time and its spread, the speedup over serial, the Phase-1
@@ -31,13 +37,19 @@ makespan, the paper's Eq. 1 terms as every step records them (schedule.eq1: T_D 
 T_P prefix makespan, ΔD decode slowdown from co-running, S measured saving, bound min(T_D, T_P),
 T_post), decode seconds per step and its ratio to the memory roofline (bench.decode), peak memory, the
 caching allocator's retries (a cudaMalloc that failed, freed the cache and retried) and device frees
-over the row's iterations, and the largest parameter difference from serial after the timed steps.
+over the row's iterations, the largest parameter difference from serial after the timed steps, and
+how many of the optimizer's FP32 tensors (master weights, AdamW moments) differ from serial's
+(``optimizer_fingerprints``: the bf16 weights alone can hide a different update). Responses are scored
+by ``bench.common.distinct_reward``, so the update is not zero; ``grad_norm`` (the median step's largest gradient
+norm before clipping) shows it.
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
+import os
 import statistics
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
@@ -73,6 +85,14 @@ ROWS = {
     "both-parts": {**_BOTH, "model.compile_scope": "parts"},
     "serial-whole-batch": {"run.schedule": "serial", "algo.micro_batch_groups": 0},
     "both-whole-batch": {**_BOTH, "algo.micro_batch_groups": 0},
+    "serial-again": {"run.schedule": "serial"},
+    "serial-flex": {"run.schedule": "serial"},
+    "both-flex": _BOTH,
+}
+# environment variables set while a row runs (the suffix attention backend is read at each call)
+ROW_ENV = {
+    "serial-flex": {"ROLLPLEX_SUFFIX_ATTENTION": "flex"},
+    "both-flex": {"ROLLPLEX_SUFFIX_ATTENTION": "flex"},
 }
 # the row each row is compared with (speedup, saving, parameter difference): the serial row that
 # splits its mini-batch into the same micro-batches, so its gradient sums in the same order
@@ -138,7 +158,7 @@ class _Workload:
             "rollout.group_size": cfg.group_size,
             "rollout.prompts_per_step": cfg.groups,
             "rollout.max_response_tokens": cfg.response_tokens,
-            "reward.functions": "[answer_accuracy]",
+            "reward.functions": "[rollplex.bench.common:distinct_reward]",
             "run.auto_trials": cfg.auto_trials,
             "rollout.decode_attention": cfg.decode_attention,
             "rollout.compile_decode": cfg.compile_decode,
@@ -184,6 +204,26 @@ def _warmup(step, cfg: ScheduleBenchConfig) -> int:
 
 
 def _run_row(work: _Workload, name: str, cfg: ScheduleBenchConfig) -> tuple[dict, dict[str, torch.Tensor]]:
+    with _environment(ROW_ENV.get(name, {})):
+        return _timed_row(work, name, cfg)
+
+
+@contextlib.contextmanager
+def _environment(values: dict[str, str]):
+    """``os.environ`` with ``values`` set for the body, then as it was."""
+    before = {key: os.environ.get(key) for key in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for key, value in before.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
+
+def _timed_row(work: _Workload, name: str, cfg: ScheduleBenchConfig) -> tuple[dict, dict[str, torch.Tensor]]:
     roles = work.roles(ROWS[name], cfg)
     step = make_step(roles.config, work.device)
     sync = torch.cuda.synchronize if work.device.type == "cuda" else None
@@ -194,9 +234,9 @@ def _run_row(work: _Workload, name: str, cfg: ScheduleBenchConfig) -> tuple[dict
     warmup = _warmup(step, cfg)
     for i in range(warmup + cfg.steps):
         start = timer.now()
-        *_, extra = step(roles, work.prompts, timer)
+        *_, norms, extra = step(roles, work.prompts, timer)
         end = timer.now()
-        spent = {**timer.pop(), **extra}
+        spent = {**timer.pop(), **extra, "grad_norm": max(norms)}
         print(f"    {name} iteration {i}: {end - start:.3f} s", flush=True)
         if i >= warmup:
             times.append(end - start)
@@ -225,7 +265,56 @@ def _run_row(work: _Workload, name: str, cfg: ScheduleBenchConfig) -> tuple[dict
         row["auto_trials_span_s"] = {p.name: statistics.median(t) for p, t in step.timings.items()}
     print(f"  {name}: {row['step_s_median']:.3f} s/step (spread {row['step_s_spread']:.3f})", flush=True)
     # the parameters go to host memory: a device copy per row would sit in every later row's peak memory
-    return row, {k: v.detach().to("cpu", copy=True) for k, v in work.actor.state_dict().items()}
+    weights = {k: v.detach().to("cpu", copy=True) for k, v in work.actor.state_dict().items()}
+    return row, _Snapshot(weights, optimizer_fingerprints(roles.optimizer))
+
+
+@dataclass
+class _Snapshot:
+    """What a row's update left: the model's weights (host copies) and its optimizer's fingerprints."""
+
+    weights: dict[str, torch.Tensor]
+    fingerprints: list[tuple[int, int]]
+
+
+_FINGERPRINT_CHUNK = 2**24  # elements hashed at a time (a 128 MiB int64 copy)
+
+
+def fingerprint(tensor: torch.Tensor) -> tuple[int, int]:
+    """Two int64 sums over the bits of a float32 tensor: of the bit patterns, and of each pattern times
+    a weight that cycles through 1..65521 with its position. Bitwise-equal tensors give equal
+    fingerprints; two that differ anywhere give unequal ones but for a chance coincidence.
+
+    Args:
+        tensor: float32, any shape, on any device (summed there, in chunks of 2**24 elements).
+
+    Raises:
+        TypeError: ``tensor`` is not float32.
+    """
+    if tensor.dtype != torch.float32:
+        raise TypeError(f"fingerprint expects float32, got {tensor.dtype}")
+    bits = tensor.detach().reshape(-1).view(torch.int32)
+    plain = weighted = 0
+    for start in range(0, bits.numel(), _FINGERPRINT_CHUNK):
+        chunk = bits[start : start + _FINGERPRINT_CHUNK].to(torch.int64)
+        weights = torch.arange(start, start + chunk.numel(), device=chunk.device) % 65521 + 1
+        plain += int(chunk.sum())
+        weighted += int((chunk * weights).sum())
+    return plain, weighted
+
+
+def optimizer_fingerprints(optimizer: MasterWeightAdamW) -> list[tuple[int, int]]:
+    """``fingerprint`` of every FP32 master weight and of its AdamW moments, in parameter order. These
+    show a difference in the update where the bf16 weights may not: at the default learning rate a
+    step moves a weight by far less than one bf16 step, and the second moment holds the squared
+    gradient itself."""
+    out = []
+    for master in optimizer.masters:
+        state = optimizer.inner.state.get(master, {})
+        out += [
+            fingerprint(t) for t in (master, state.get("exp_avg"), state.get("exp_avg_sq")) if t is not None
+        ]
+    return out
 
 
 def _summarise(rows: dict, tokens: int, roofline_s: float) -> None:
@@ -255,21 +344,20 @@ def run_schedule_bench(cfg: ScheduleBenchConfig, out: Path | None = None) -> Sch
     device = bench_device(cfg.preset)
     work = _Workload(cfg, device)
     result = ScheduleBenchResult(config=asdict(cfg))
-    weights = {}
+    snapshots = {}
     for name in cfg.rows:
         try:
-            result.rows[name], weights[name] = _run_row(work, name, cfg)
+            result.rows[name], snapshots[name] = _run_row(work, name, cfg)
         except torch.OutOfMemoryError as err:  # one row out of memory must not hide the others
             print(f"  {name}: out of memory: {err}", flush=True)
             result.rows[name] = {"error": "out of memory"}
             torch.cuda.empty_cache()
         _write(result, out)  # after every row, so a run cut short keeps what it measured
-    for name, state in weights.items():
+    for name, snap in snapshots.items():
         base = BASELINES[name]
-        if base not in weights or result.rows[name]["steps_taken"] != result.rows[base]["steps_taken"]:
+        if base not in snapshots or result.rows[name]["steps_taken"] != result.rows[base]["steps_taken"]:
             continue  # auto takes more steps (its trials); tests/schedule checks its update on the CPU
-        diff = max(float((state[k].float() - weights[base][k].float()).abs().max()) for k in state)
-        result.rows[name]["max_abs_param_diff_vs_serial"] = diff
+        _compare(result.rows[name], snap, snapshots[base])
     bytes_per_step = step_bytes(
         work.actor, [p.length for p in work.prompts], cfg.group_size, cfg.response_tokens
     )
@@ -278,6 +366,14 @@ def run_schedule_bench(cfg: ScheduleBenchConfig, out: Path | None = None) -> Sch
     _print(result)
     _write(result, out)
     return result
+
+
+def _compare(row: dict, snap: _Snapshot, base: _Snapshot) -> None:
+    """The row's largest weight difference from its baseline row, and how many of the optimizer's FP32
+    tensors (master weights, AdamW moments) differ from the baseline's (0: the same update, bitwise)."""
+    w, b = snap.weights, base.weights
+    row["max_abs_param_diff_vs_serial"] = max(float((w[k].float() - b[k].float()).abs().max()) for k in w)
+    row["optimizer_tensors_differing"] = sum(x != y for x, y in zip(snap.fingerprints, base.fingerprints))
 
 
 def _write(result: ScheduleBenchResult, out: Path | None) -> None:
@@ -298,12 +394,14 @@ def _print(result: ScheduleBenchResult) -> None:
         "eq1/S",
         "eq1/bound",
         "eq1/T_post",
+        "grad_norm",
         "decode_ms_per_step",
         "decode_roofline_ratio",
         "peak_memory_gib",
         "alloc_retries",
         "device_allocs",
         "max_abs_param_diff_vs_serial",
+        "optimizer_tensors_differing",
     ]
     keys = [k for k in keys if any(k in row for row in result.rows.values())]
     print(f"copy bandwidth {result.copy_bandwidth_gbps:.0f} GB/s")

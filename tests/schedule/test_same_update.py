@@ -3,8 +3,11 @@ the barriers hold (nothing writes θ_k before the optimizer phase; suffixes foll
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
+from safetensors.torch import load_file
 
 from rollplex.loop import build_run, train
 from rollplex.models.compiled import layers_compiled
@@ -133,17 +136,24 @@ def test_overlap_gives_identical_parameters_on_gpu(assets, tmp_path):  # noqa: F
     """On CUDA (bf16) the overlapped schedule runs the serial schedule's kernels on other streams, also
     with the reference prefix confined to 16 SMs (a green context, with prefill fusion): bitwise the
     same weights after 3 steps. The models run their layers compiled (``model.compile_layers``, the
-    CUDA default), so compiled layers called from the Phase-1 worker thread are covered too."""
+    CUDA default), so compiled layers called from the Phase-1 worker thread are covered too. Responses
+    are scored by ``distinct_reward``, and the weights must have moved: with a zero update (every
+    response scored 0, the actor equal to the reference) the comparison would hold trivially."""
     cuda_run = build_run(
         _config(assets, tmp_path / "probe", 1, **{"algo.kl_coef": 0.05, "run.device": "cuda"})
     )
     assert layers_compiled(cuda_run.roles.actor) and layers_compiled(cuda_run.roles.reference)
     del cuda_run
     runs = {}
+    reward = "[rollplex.bench.common:distinct_reward]"
     for name in ("serial", "rollplex", "green"):
-        overrides = {"algo.kl_coef": 0.05, "eval.every": 0, "run.device": "cuda", **SCHEDULES[name]}
-        runs[name] = train(_config(assets, tmp_path / name, 3, **overrides))
+        overrides = {"algo.kl_coef": 0.05, "eval.every": 0, "run.device": "cuda", "reward.functions": reward}
+        runs[name] = train(_config(assets, tmp_path / name, 3, **overrides, **SCHEDULES[name]))
     serial = _weights(runs["serial"])
+    initial = load_file(Path(assets[0]) / "model.safetensors")
+    moved = [k for k in serial if k in initial and not torch.equal(serial[k], initial[k].to(serial[k].dtype))]
+    assert moved, "the update was zero: nothing to compare"
+    assert any(r.get("kl", 0) > 0 for r in _metrics(runs["serial"]))
     for name in ("rollplex", "green"):
         other = _weights(runs[name])
         assert all(torch.equal(serial[k], other[k]) for k in serial), name

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import zlib
 
 import pytest
 import torch
@@ -20,13 +19,6 @@ from tests.schedule.test_same_update import SCHEDULES
 from tests.test_loop import _config, _weights, assets  # noqa: F401  (fixture)
 
 HEAD, EMBEDDING = "lm_head.weight", "model.language_model.embed_tokens.weight"
-
-
-def text_hash_reward(completion: str, record) -> float:
-    """A reward in [0, 1) that differs between any two different completions with near certainty, so a
-    group's advantages are nonzero whatever the tiny model samples (the built-in rewards can give a whole
-    group 0, and then no parameter moves: seen with transformers 5.17, whose video processing differs)."""
-    return (zlib.crc32(completion.encode()) % 1000) / 1000
 
 
 def _checkpoint(assets, tmp_path, tie: bool):  # noqa: F811
@@ -55,7 +47,7 @@ def test_b16_rollouts_read_the_updated_weights(assets, tmp_path, tie, schedule):
         "algo.kl_coef": 0.05,
         "optim.weight_decay": 0.0,
         "run.device": "cpu",
-        "reward.functions": f"[{__name__}:text_hash_reward]",
+        "reward.functions": "[rollplex.bench.common:distinct_reward]",
     }
     # no weight decay: a parameter changes only if a nonzero gradient reached it. On the CPU in float32,
     # where a stale rollout stands out (≥ 2e-5) against the trainer's log-probs (≤ 1e-6); a bf16 rollout's
