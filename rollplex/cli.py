@@ -152,6 +152,7 @@ def _bench_schedule(args: argparse.Namespace) -> None:
         "fused_projections",
         "fused_sampling",
         "fused_gate",
+        "deterministic",
     )
     options = _options(args, (*WORKLOAD_FIELDS, *extra))
     if args.rows is not None:
@@ -206,7 +207,7 @@ def _add_workload_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _add_bench(sub: argparse._SubParsersAction) -> None:
-    from rollplex.bench.variants import DECODE_VARIANTS
+    from rollplex.bench.variants import DECODE_VARIANTS, MAIN_ROWS, ROWS
     from rollplex.config import COMPILE_MODES, DECODE_ATTENTION
 
     bench = sub.add_parser("bench", help="GPU benchmarks, measured side by side").add_subparsers(
@@ -227,9 +228,7 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--steps", type=int, help="timed iterations per schedule (default 2)")
     p.add_argument(
         "--rows",
-        help="comma-separated rows among serial,overlap,fusion,both,auto,both-same-priority,both-chunked,"
-        "both-carveout,both-green,serial-eager,both-eager,serial-parts,both-parts (default serial,overlap,fusion,"
-        "both,auto)",
+        help=f"comma-separated rows among {','.join(ROWS)} (default {','.join(MAIN_ROWS)})",
     )
     p.add_argument(
         "--compile-decode",
@@ -257,6 +256,13 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
         help="decode: the gate/up product with its SiLU gate as one Triton kernel (default on)",
     )
     p.add_argument("--auto-trials", type=int, help="auto row: trial steps per co-running policy (default 2)")
+    p.add_argument(
+        "--deterministic",
+        action="store_true",
+        default=None,
+        help="torch's deterministic algorithms for the whole run (run.deterministic): whether the rows' "
+        "updates then agree bitwise",
+    )
     p.add_argument(
         "--decode-attention",
         choices=DECODE_ATTENTION,

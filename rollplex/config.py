@@ -710,7 +710,7 @@ def format_config_help(job: dict | None = None) -> str:
     as ``(default job: ...)``. A header line says what every value must satisfy."""
     rows = field_docs()
     width = max(len(p) for p, *_ in rows)
-    lines = ["field = default  description [bounds]; every float must be finite (no nan or inf)"]
+    lines = ["field  type = default  description [bounds]; every float must be finite (no nan or inf)"]
     for path, type_name, default, text in rows:
         section, name = path.split(".", 1)
         line = f"{path:<{width}}  {type_name} = {default!r}  {text}"

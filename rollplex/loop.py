@@ -146,6 +146,15 @@ class Run:
     updates_skipped: int = 0  # optimizer updates dropped for a gradient norm that is not finite, whole run
 
 
+def use_deterministic_algorithms() -> None:
+    """torch's deterministic algorithms for the rest of the process (``run.deterministic``): kernels
+    that accumulate with atomics (attention backward, ``index_add_``) are replaced by deterministic ones
+    or raise. Call before the first CUDA matrix product: cuBLAS reads ``CUBLAS_WORKSPACE_CONFIG`` (set
+    here to ``:4096:8`` unless already set) when the process creates its handle."""
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # torch refuses determinism without it
+    torch.use_deterministic_algorithms(True)
+
+
 def build_run(cfg: Config) -> Run:
     """Models, optimizer, sampling and data of a run (from ``cfg``; no checkpoint applied)."""
     from transformers import AutoProcessor
@@ -155,8 +164,7 @@ def build_run(cfg: Config) -> Run:
     dtype = resolve_dtype(cfg.run, device.type)
     seed_everything(cfg.run.seed)
     if cfg.run.deterministic:
-        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # cuBLAS refuses determinism without it
-        torch.use_deterministic_algorithms(True)
+        use_deterministic_algorithms()
     processor = AutoProcessor.from_pretrained(cfg.model.path)
     vision = {
         "vision_attention": cfg.model.vision_attention,

@@ -278,8 +278,10 @@ def test_bench_schedule_options_reach_the_config(monkeypatch):
             "max-autotune",
             "--compile-scope",
             "parts",
+            "--deterministic",
         ]
     )
+    assert (seen[0].deterministic, seen[1].deterministic) == (False, True)
     assert (seen[0].compile_decode, seen[0].fused_projections, seen[0].fused_sampling) == (True, True, True)
     assert (seen[0].fused_gate, seen[1].fused_gate) == (True, False)
     assert (seen[0].rows, seen[0].auto_trials, seen[0].decode_attention) == (("serial", "both"), 1, "triton")

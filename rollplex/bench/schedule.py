@@ -32,16 +32,19 @@ Rows (each from the same initial weights and optimizer state, same prompts and s
     both-flex             both, likewise
 
 Warm-up iterations (allocator growth, graph capture, compilation, and auto's policy trials) are
-discarded; the table gives the median step time and its spread, the speedup over serial, the Phase-1
-makespan, the paper's Eq. 1 terms as every step records them (schedule.eq1: T_D standalone decode,
-T_P prefix makespan, ΔD decode slowdown from co-running, S measured saving, bound min(T_D, T_P),
-T_post), decode seconds per step and its ratio to the memory roofline (bench.decode), peak memory, the
-caching allocator's retries (a cudaMalloc that failed, freed the cache and retried) and device frees
-over the row's iterations, the largest parameter difference from serial after the timed steps, and
-how many of the optimizer's FP32 tensors (master weights, AdamW moments) differ from serial's
-(``optimizer_fingerprints``: the bf16 weights alone can hide a different update). Responses are scored
-by ``bench.common.distinct_reward``, so the update is not zero; ``grad_norm`` (the median step's largest gradient
-norm before clipping) shows it.
+discarded; the table gives the median step time and its spread, the speedup over the row's baseline
+(``BASELINES``: serial, or serial-whole-batch for the whole-batch rows; the JSON's ``*_vs_serial`` keys
+mean that row, named in ``baseline``), the Phase-1 makespan, the paper's Eq. 1 terms as every step
+records them (schedule.eq1: T_D standalone decode, T_P prefix makespan, ΔD decode slowdown from
+co-running, S measured saving, bound min(T_D, T_P), T_post), the gradient norm (``grad_norm``: the
+median step's largest norm before clipping; inf where an update was skipped), decode seconds per step
+and its ratio to the memory roofline (bench.decode), peak memory, the caching allocator's retries (a
+cudaMalloc that failed, freed the cache and retried) and device frees over the row's iterations, the
+largest bf16 parameter difference from the baseline after the timed steps, and how many of the
+optimizer's FP32 tensors (master weights, AdamW moments) differ from the baseline's
+(``bench.fingerprint``: the bf16 weights alone can hide a different update). Responses are scored by
+``bench.common.distinct_reward``, so the update is not zero. A row that fails is recorded with its
+error, and the others run.
 """
 
 from __future__ import annotations
@@ -49,6 +52,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import json
+import math
 import os
 import statistics
 from collections.abc import Callable
@@ -59,45 +63,16 @@ import torch
 
 from rollplex.bench.common import PromptShape, Workload, bench_device, synthetic_prompt, workload_model
 from rollplex.bench.decode import copy_bandwidth, step_bytes
+from rollplex.bench.fingerprint import differing, optimizer_fingerprints
+from rollplex.bench.variants import BASELINES, MAIN_ROWS, ROW_ENV, ROWS
 from rollplex.config import load_config
-from rollplex.models.compiled import compile_fallback, compiles_layers
+from rollplex.models.compiled import compile_fallback, compiled_scope, compiles_layers
 from rollplex.models.forward import enable_checkpointing, prepare_model
 from rollplex.observe.metrics import PhaseTimer
 from rollplex.optim import MasterWeightAdamW
 from rollplex.phases import Roles
 from rollplex.rollout.engine import SamplingParams
 from rollplex.schedule import make_step
-
-_BOTH = {"run.schedule": "rollplex", "run.overlap": True, "run.prefill_fusion": True}
-ROWS = {
-    "serial": {"run.schedule": "serial"},
-    "overlap": {"run.schedule": "rollplex", "run.overlap": True, "run.prefill_fusion": False},
-    "fusion": {"run.schedule": "rollplex", "run.overlap": False, "run.prefill_fusion": True},
-    "both": _BOTH,
-    "auto": {"run.schedule": "auto"},
-    "both-same-priority": {**_BOTH, "run.decode_priority": False},
-    "both-chunked": {**_BOTH, "run.prefix_chunk_groups": 1},
-    "both-carveout": {**_BOTH, "run.prefix_sm_carveout": "half"},
-    "both-green": {**_BOTH, "run.prefix_sms": "half", "run.prefix_chunk_groups": 1},
-    "serial-eager": {"run.schedule": "serial", "model.compile_layers": False},
-    "both-eager": {**_BOTH, "model.compile_layers": False},
-    "serial-parts": {"run.schedule": "serial", "model.compile_scope": "parts"},
-    "both-parts": {**_BOTH, "model.compile_scope": "parts"},
-    "serial-whole-batch": {"run.schedule": "serial", "algo.micro_batch_groups": 0},
-    "both-whole-batch": {**_BOTH, "algo.micro_batch_groups": 0},
-    "serial-again": {"run.schedule": "serial"},
-    "serial-flex": {"run.schedule": "serial"},
-    "both-flex": _BOTH,
-}
-# environment variables set while a row runs (the suffix attention backend is read at each call)
-ROW_ENV = {
-    "serial-flex": {"ROLLPLEX_SUFFIX_ATTENTION": "flex"},
-    "both-flex": {"ROLLPLEX_SUFFIX_ATTENTION": "flex"},
-}
-# the row each row is compared with (speedup, saving, parameter difference): the serial row that
-# splits its mini-batch into the same micro-batches, so its gradient sums in the same order
-BASELINES = {name: "serial-whole-batch" if name.endswith("-whole-batch") else "serial" for name in ROWS}
-MAIN_ROWS = ("serial", "overlap", "fusion", "both", "auto")
 
 
 @dataclass(frozen=True)
@@ -115,6 +90,7 @@ class ScheduleBenchConfig(Workload):
     fused_projections: bool = True
     fused_sampling: bool = True
     fused_gate: bool = True
+    deterministic: bool = False  # torch's deterministic algorithms for the whole run (run.deterministic)
 
 
 @dataclass
@@ -168,6 +144,7 @@ class _Workload:
             "rollout.fused_gate": cfg.fused_gate,
             "model.compile_layers": cfg.compile_layers,
             "model.compile_scope": cfg.compile_scope,
+            "run.deterministic": cfg.deterministic,  # recorded; run_schedule_bench sets it process-wide
             **{k: self.sms // 2 if v == "half" else v for k, v in overrides.items()},
         }
         config = load_config(
@@ -186,11 +163,12 @@ class _Workload:
 
 def default_row(name: str, device: torch.device) -> tuple[_Workload, Roles, Callable]:
     """The default workload on ``device``, with row ``name``'s roles and step function (for scripts that
-    probe one row).
+    probe one row). The row's environment (``ROW_ENV``) is set for the rest of the process.
 
     Raises:
         KeyError: ``name`` is not a row of ``ROWS``.
     """
+    os.environ.update(ROW_ENV.get(name, {}))
     cfg = ScheduleBenchConfig()
     work = _Workload(cfg, device)
     roles = work.roles(ROWS[name], cfg)
@@ -203,7 +181,7 @@ def _warmup(step, cfg: ScheduleBenchConfig) -> int:
     return cfg.warmup + trials
 
 
-def _run_row(work: _Workload, name: str, cfg: ScheduleBenchConfig) -> tuple[dict, dict[str, torch.Tensor]]:
+def _run_row(work: _Workload, name: str, cfg: ScheduleBenchConfig) -> tuple[dict, _Snapshot]:
     with _environment(ROW_ENV.get(name, {})):
         return _timed_row(work, name, cfg)
 
@@ -223,7 +201,7 @@ def _environment(values: dict[str, str]):
                 os.environ[key] = value
 
 
-def _timed_row(work: _Workload, name: str, cfg: ScheduleBenchConfig) -> tuple[dict, dict[str, torch.Tensor]]:
+def _timed_row(work: _Workload, name: str, cfg: ScheduleBenchConfig) -> tuple[dict, _Snapshot]:
     roles = work.roles(ROWS[name], cfg)
     step = make_step(roles.config, work.device)
     sync = torch.cuda.synchronize if work.device.type == "cuda" else None
@@ -236,7 +214,7 @@ def _timed_row(work: _Workload, name: str, cfg: ScheduleBenchConfig) -> tuple[di
         start = timer.now()
         *_, norms, extra = step(roles, work.prompts, timer)
         end = timer.now()
-        spent = {**timer.pop(), **extra, "grad_norm": max(norms)}
+        spent = {**timer.pop(), **extra, "grad_norm": _largest(norms)}
         print(f"    {name} iteration {i}: {end - start:.3f} s", flush=True)
         if i >= warmup:
             times.append(end - start)
@@ -256,8 +234,8 @@ def _timed_row(work: _Workload, name: str, cfg: ScheduleBenchConfig) -> tuple[di
         row["alloc_retries"] = stats.get("num_alloc_retries", 0)
         row["device_allocs"] = stats.get("num_device_alloc", 0)
         row["device_frees"] = stats.get("num_device_free", 0)
-    fallback = compile_fallback()
-    if fallback is not None:  # the row's layers ran uncompiled: its times are not the compiled build's
+    fallback = compile_fallback() if compiled_scope(work.actor) is not None else None
+    if fallback is not None:  # the row's layers were to run compiled and ran uncompiled
         row["compile_fallback"] = fallback
         print(f"  {name}: layers ran uncompiled: {fallback}", flush=True)
     if getattr(step, "trials", None):
@@ -266,7 +244,15 @@ def _timed_row(work: _Workload, name: str, cfg: ScheduleBenchConfig) -> tuple[di
     print(f"  {name}: {row['step_s_median']:.3f} s/step (spread {row['step_s_spread']:.3f})", flush=True)
     # the parameters go to host memory: a device copy per row would sit in every later row's peak memory
     weights = {k: v.detach().to("cpu", copy=True) for k, v in work.actor.state_dict().items()}
-    return row, _Snapshot(weights, optimizer_fingerprints(roles.optimizer))
+    snapshot = _Snapshot(weights, optimizer_fingerprints(roles.optimizer))
+    if work.device.type == "cuda":
+        torch.cuda.empty_cache()  # the fingerprints' temporaries stay out of the next row's memory
+    return row, snapshot
+
+
+def _largest(norms: list[float]) -> float:
+    """A step's largest gradient norm; inf when one is not finite (its update was skipped)."""
+    return max(norms) if all(math.isfinite(n) for n in norms) else math.inf
 
 
 @dataclass
@@ -274,47 +260,7 @@ class _Snapshot:
     """What a row's update left: the model's weights (host copies) and its optimizer's fingerprints."""
 
     weights: dict[str, torch.Tensor]
-    fingerprints: list[tuple[int, int]]
-
-
-_FINGERPRINT_CHUNK = 2**24  # elements hashed at a time (a 128 MiB int64 copy)
-
-
-def fingerprint(tensor: torch.Tensor) -> tuple[int, int]:
-    """Two int64 sums over the bits of a float32 tensor: of the bit patterns, and of each pattern times
-    a weight that cycles through 1..65521 with its position. Bitwise-equal tensors give equal
-    fingerprints; two that differ anywhere give unequal ones but for a chance coincidence.
-
-    Args:
-        tensor: float32, any shape, on any device (summed there, in chunks of 2**24 elements).
-
-    Raises:
-        TypeError: ``tensor`` is not float32.
-    """
-    if tensor.dtype != torch.float32:
-        raise TypeError(f"fingerprint expects float32, got {tensor.dtype}")
-    bits = tensor.detach().reshape(-1).view(torch.int32)
-    plain = weighted = 0
-    for start in range(0, bits.numel(), _FINGERPRINT_CHUNK):
-        chunk = bits[start : start + _FINGERPRINT_CHUNK].to(torch.int64)
-        weights = torch.arange(start, start + chunk.numel(), device=chunk.device) % 65521 + 1
-        plain += int(chunk.sum())
-        weighted += int((chunk * weights).sum())
-    return plain, weighted
-
-
-def optimizer_fingerprints(optimizer: MasterWeightAdamW) -> list[tuple[int, int]]:
-    """``fingerprint`` of every FP32 master weight and of its AdamW moments, in parameter order. These
-    show a difference in the update where the bf16 weights may not: at the default learning rate a
-    step moves a weight by far less than one bf16 step, and the second moment holds the squared
-    gradient itself."""
-    out = []
-    for master in optimizer.masters:
-        state = optimizer.inner.state.get(master, {})
-        out += [
-            fingerprint(t) for t in (master, state.get("exp_avg"), state.get("exp_avg_sq")) if t is not None
-        ]
-    return out
+    fingerprints: dict[tuple[int, str], int]
 
 
 def _summarise(rows: dict, tokens: int, roofline_s: float) -> None:
@@ -341,6 +287,10 @@ def run_schedule_bench(cfg: ScheduleBenchConfig, out: Path | None = None) -> Sch
     unknown = set(cfg.rows) - set(ROWS)
     if unknown:
         raise ValueError(f"unknown schedule rows {sorted(unknown)}; expected some of {list(ROWS)}")
+    if cfg.deterministic:
+        from rollplex.loop import use_deterministic_algorithms
+
+        use_deterministic_algorithms()  # before the workload's first product (see its docstring)
     device = bench_device(cfg.preset)
     work = _Workload(cfg, device)
     result = ScheduleBenchResult(config=asdict(cfg))
@@ -352,12 +302,17 @@ def run_schedule_bench(cfg: ScheduleBenchConfig, out: Path | None = None) -> Sch
             print(f"  {name}: out of memory: {err}", flush=True)
             result.rows[name] = {"error": "out of memory"}
             torch.cuda.empty_cache()
+        except Exception as err:  # nor one that fails (a kernel that does not compile, say)
+            print(f"  {name}: failed: {type(err).__name__}: {err}", flush=True)
+            result.rows[name] = {"error": f"{type(err).__name__}: {err}"}
         _write(result, out)  # after every row, so a run cut short keeps what it measured
     for name, snap in snapshots.items():
         base = BASELINES[name]
-        if base not in snapshots or result.rows[name]["steps_taken"] != result.rows[base]["steps_taken"]:
-            continue  # auto takes more steps (its trials); tests/schedule checks its update on the CPU
-        _compare(result.rows[name], snap, snapshots[base])
+        if base == name or base not in snapshots:
+            continue
+        result.rows[name]["baseline"] = base
+        if result.rows[name]["steps_taken"] == result.rows[base]["steps_taken"]:
+            _compare(result.rows[name], snap, snapshots[base])  # not auto: its trials add steps
     bytes_per_step = step_bytes(
         work.actor, [p.length for p in work.prompts], cfg.group_size, cfg.response_tokens
     )
@@ -373,7 +328,7 @@ def _compare(row: dict, snap: _Snapshot, base: _Snapshot) -> None:
     tensors (master weights, AdamW moments) differ from the baseline's (0: the same update, bitwise)."""
     w, b = snap.weights, base.weights
     row["max_abs_param_diff_vs_serial"] = max(float((w[k].float() - b[k].float()).abs().max()) for k in w)
-    row["optimizer_tensors_differing"] = sum(x != y for x, y in zip(snap.fingerprints, base.fingerprints))
+    row["optimizer_tensors_differing"] = differing(snap.fingerprints, base.fingerprints)
 
 
 def _write(result: ScheduleBenchResult, out: Path | None) -> None:

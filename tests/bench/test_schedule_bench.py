@@ -31,16 +31,17 @@ def test_rows_reach_the_same_parameters(tmp_path):
     cfg = _tiny(gradient_checkpointing=False, rows=rows, auto_trials=1)
     result = run_schedule_bench(cfg, tmp_path / "schedule.json")
     assert set(result.rows) == set(rows)
+    baselines = {"serial", "serial-whole-batch"}  # compared with nothing but themselves
     for name, row in result.rows.items():
         assert row.get("max_abs_param_diff_vs_serial", 0.0) == 0.0
         assert row.get("optimizer_tensors_differing", 0) == 0
+        assert (name in {"auto", *baselines}) != ("optimizer_tensors_differing" in row), name
+        assert (name in {"auto", *baselines}) != ("max_abs_param_diff_vs_serial" in row), name
+        assert (name in baselines) != (row.get("baseline") == BASELINES[name]), name
         assert row["grad_norm"] > 0, name  # a real update: the rows' agreement is not the trivial one
-        assert (name == "auto") != ("optimizer_tensors_differing" in row)
         assert row["step_s_median"] > 0 and row["eq1/T_D"] > 0
-        assert (name == "auto") != ("max_abs_param_diff_vs_serial" in row)
-        base = result.rows[BASELINES[name]]["step_s_median"]
-        assert row["speedup_vs_serial"] == base / row["step_s_median"], name
-    assert BASELINES["both-whole-batch"] == "serial-whole-batch" and BASELINES["both"] == "serial"
+    assert result.rows["both-whole-batch"]["baseline"] == "serial-whole-batch"
+    assert result.rows["both"]["baseline"] == "serial"
     assert result.rows["auto"]["auto_policy"]
     assert result.rows["auto"]["steps_taken"] == 1 + len(result.rows["auto"]["auto_trials_span_s"])
     assert (tmp_path / "schedule.json").exists()
@@ -52,6 +53,8 @@ def test_a_row_whose_layers_ran_uncompiled_says_so(monkeypatch, capsys):
     cfg = _tiny(groups=1, response_tokens=2, text_tokens=8, rows=("serial",))
     assert "compile_fallback" not in run_schedule_bench(cfg).rows["serial"]
     monkeypatch.setattr(schedule, "compile_fallback", lambda: "InductorError: no Triton")
+    assert "compile_fallback" not in run_schedule_bench(cfg).rows["serial"]  # its layers were not compiled
+    monkeypatch.setattr(schedule, "compiled_scope", lambda model: "layer")
     assert run_schedule_bench(cfg).rows["serial"]["compile_fallback"] == "InductorError: no Triton"
     assert "serial: layers ran uncompiled: InductorError: no Triton" in capsys.readouterr().out
 
@@ -79,41 +82,107 @@ def test_the_flex_rows_select_flex_attention_while_they_run(monkeypatch):
     assert ROWS["serial-flex"] == ROWS["serial"] and ROWS["both-flex"] == ROWS["both"]
 
 
-def test_a_fingerprint_tells_tensors_apart_by_any_bit():
-    """Equal tensors give equal fingerprints; one flipped low bit, two elements swapped (the plain sum
-    alone would miss it) or a difference past the first chunk give different ones."""
-    import rollplex.bench.schedule as schedule
+def test_a_fingerprint_tells_tensors_apart_whatever_the_pattern(monkeypatch):
+    """Equal tensors give equal fingerprints, whatever the chunk size; one flipped low bit, two elements
+    swapped, changes that cancel in a position-weighted sum (65,521 apart, or +1/-2/+1 in the last
+    bit of neighbours) and a change past the first chunk all give different ones."""
+    from rollplex.bench import fingerprint as fp
 
-    x = torch.randn(1000, generator=torch.Generator().manual_seed(0))
-    assert schedule.fingerprint(x) == schedule.fingerprint(x.clone())
-    flipped = x.clone()
-    flipped.view(torch.int32)[7] ^= 1
-    swapped = x.clone()
-    swapped[[3, 4]] = x[[4, 3]]
-    for other in (flipped, swapped):
-        assert schedule.fingerprint(other) != schedule.fingerprint(x)
-    assert schedule.fingerprint(swapped)[0] == schedule.fingerprint(x)[0]
+    x = torch.randn(140_000, generator=torch.Generator().manual_seed(0))
+    want = fp.fingerprint(x)
+    assert fp.fingerprint(x.clone()) == want and 0 <= want < 2**64
+    monkeypatch.setattr(fp, "_CHUNK", 1000)
+    assert fp.fingerprint(x) == want
+
+    def changed(edit) -> torch.Tensor:
+        bits = x.clone().view(torch.int32)
+        edit(bits)
+        return bits.view(torch.float32)
+
+    def swap(b, i, j):
+        b[[i, j]] = b[[j, i]]
+
+    def bump(b, deltas):
+        for i, d in deltas:
+            b[i] += d
+
+    edits = [
+        lambda b: b.__setitem__(7, b[7] ^ 1),
+        lambda b: swap(b, 3, 4),
+        lambda b: swap(b, 10, 10 + 65521),
+        lambda b: bump(b, [(10, 1), (10 + 65521, -1)]),
+        lambda b: bump(b, [(20, 1), (21, -2), (22, 1)]),
+        lambda b: b.__setitem__(135_000, b[135_000] ^ 1),
+    ]
+    assert all(fp.fingerprint(changed(edit)) != want for edit in edits)
     with pytest.raises(TypeError, match="float32"):
-        schedule.fingerprint(x.double())
+        fp.fingerprint(x.double())
 
 
-def test_the_optimizer_fingerprints_see_an_update_the_bf16_weights_do_not(monkeypatch):
+def test_the_optimizer_fingerprints_see_an_update_the_bf16_weights_do_not():
     """At a learning rate far under one bf16 step, two different gradients leave the same bf16 weights
-    but different masters and moments, and the fingerprints count the difference."""
-    import rollplex.bench.schedule as schedule
+    but different moments; ``differing`` counts them, and a tensor only one side has."""
+    from rollplex.bench.fingerprint import differing, optimizer_fingerprints
     from rollplex.optim import MasterWeightAdamW
 
-    monkeypatch.setattr(schedule, "_FINGERPRINT_CHUNK", 64)  # several chunks per tensor
     states = []
     for scale in (1.0, 2.0):
         weight = torch.nn.Parameter(torch.full((300,), 1.0, dtype=torch.bfloat16))
         optimizer = MasterWeightAdamW([weight], lr=1e-6, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0)
+        assert set(optimizer_fingerprints(optimizer)) == {(0, "master")}  # no moments before a step
         weight.grad = torch.full_like(weight, scale)
         optimizer.clip_and_step(0.0)
-        states.append((weight.detach().clone(), schedule.optimizer_fingerprints(optimizer)))
+        states.append((weight.detach().clone(), optimizer_fingerprints(optimizer)))
     (w1, f1), (w2, f2) = states
-    assert torch.equal(w1, w2) and len(f1) == 3
-    assert [a != b for a, b in zip(f1, f2)] == [False, True, True]  # same sign-step masters, other moments
+    assert torch.equal(w1, w2) and set(f1) == {(0, "master"), (0, "exp_avg"), (0, "exp_avg_sq")}
+    assert f1[(0, "master")] == f2[(0, "master")]  # the same sign-sized first step
+    assert differing(f1, f2) == 2 and differing(f1, f1) == 0
+    assert differing(f1, {(0, "master"): f1[(0, "master")]}) == 2
+
+
+def test_a_failing_row_is_recorded_and_the_others_run(monkeypatch):
+    """A row that raises (here the flex row, as a kernel that does not compile would) is recorded with
+    its error, its environment is restored, and the next row runs and is compared."""
+    import rollplex.bench.schedule as schedule
+
+    real = schedule._timed_row
+
+    def timed(work, name, cfg):
+        if name == "serial-flex":
+            raise RuntimeError("NoValidChoicesError")
+        return real(work, name, cfg)
+
+    monkeypatch.setattr(schedule, "_timed_row", timed)
+    monkeypatch.delenv("ROLLPLEX_SUFFIX_ATTENTION", raising=False)
+    result = run_schedule_bench(_tiny(groups=1, rows=("serial", "serial-flex", "serial-again")))
+    assert result.rows["serial-flex"] == {"error": "RuntimeError: NoValidChoicesError"}
+    assert "ROLLPLEX_SUFFIX_ATTENTION" not in os.environ
+    assert result.rows["serial-again"]["optimizer_tensors_differing"] == 0
+
+
+def test_a_deterministic_run_turns_on_torchs_deterministic_algorithms_first(monkeypatch):
+    """--deterministic: torch's deterministic algorithms are on before the workload is built (cuBLAS's
+    workspace setting with them), the rows record run.deterministic, and serial-again repeats serial."""
+    import rollplex.bench.schedule as schedule
+
+    monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)
+    seen = []
+    real = schedule._Workload.__init__
+
+    def init(self, cfg, device):
+        seen.append(torch.are_deterministic_algorithms_enabled())
+        real(self, cfg, device)
+
+    monkeypatch.setattr(schedule._Workload, "__init__", init)
+    try:
+        result = run_schedule_bench(_tiny(groups=1, rows=("serial", "serial-again"), deterministic=True))
+        assert seen == [True] and os.environ["CUBLAS_WORKSPACE_CONFIG"] == ":4096:8"
+    finally:
+        torch.use_deterministic_algorithms(False)
+    assert result.rows["serial-again"]["optimizer_tensors_differing"] == 0
+    assert result.rows["serial-again"]["grad_norm"] == result.rows["serial"]["grad_norm"] > 0
+    work = schedule._Workload(_tiny(groups=1), torch.device("cpu"))
+    assert work.roles(ROWS["serial"], _tiny(deterministic=True)).config.run.deterministic
 
 
 def test_unknown_row_is_named():

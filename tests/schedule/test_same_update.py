@@ -60,6 +60,17 @@ def test_schedules_give_identical_parameters(assets, tmp_path):  # noqa: F811
     assert any(r.get("kl", 0) > 0 for r in metrics["serial"])  # the reference path really ran
 
 
+def assert_moved(run, model_dir) -> dict[str, torch.Tensor]:
+    """The run folder's final weights, after asserting that some differ from the initial checkpoint's
+    in ``model_dir`` (cast to the run's dtype): a zero update would make any comparison of schedules
+    hold trivially."""
+    final = _weights(run)
+    initial = load_file(Path(model_dir) / "model.safetensors")
+    moved = [k for k in final if k in initial and not torch.equal(final[k], initial[k].to(final[k].dtype))]
+    assert moved, "the update was zero: nothing to compare"
+    return final
+
+
 def step_rows(run) -> list[dict]:
     """The metrics rows of a rollplex or auto run folder's training steps (not its evaluation rows)."""
     return [m for m in _metrics(run) if "schedule/overlap" in m]
@@ -149,11 +160,7 @@ def test_overlap_gives_identical_parameters_on_gpu(assets, tmp_path):  # noqa: F
     for name in ("serial", "rollplex", "green"):
         overrides = {"algo.kl_coef": 0.05, "eval.every": 0, "run.device": "cuda", "reward.functions": reward}
         runs[name] = train(_config(assets, tmp_path / name, 3, **overrides, **SCHEDULES[name]))
-    serial = _weights(runs["serial"])
-    initial = load_file(Path(assets[0]) / "model.safetensors")
-    moved = [k for k in serial if k in initial and not torch.equal(serial[k], initial[k].to(serial[k].dtype))]
-    assert moved, "the update was zero: nothing to compare"
-    assert any(r.get("kl", 0) > 0 for r in _metrics(runs["serial"]))
+    serial = assert_moved(runs["serial"], assets[0])
     for name in ("rollplex", "green"):
         other = _weights(runs[name])
         assert all(torch.equal(serial[k], other[k]) for k in serial), name

@@ -1,0 +1,84 @@
+"""Fingerprints of an update: whether two runs left bitwise the same FP32 master weights and AdamW moments,
+without keeping a copy of either (the 3B model's masters and moments are 45 GB).
+
+A fingerprint is a 64-bit sum, over the elements of a float32 tensor, of a mixing function of each
+element's bit pattern and position (the multiply and xor-shift steps of SplitMix64's finaliser,
+Steele, Lea and Flood, "Fast splittable pseudorandom number generators", OOPSLA 2014). Equal tensors
+give equal fingerprints. Because the mix is not linear, two tensors that differ anywhere give equal
+ones only by a chance coincidence (about 2**-64), whatever the pattern of the differences, where a
+weighted sum of the bits misses differences that cancel in it.
+"""
+
+from __future__ import annotations
+
+import torch
+
+_CHUNK = 2**24  # elements mixed at a time: a few int64 temporaries of 128 MiB each
+_MASK64 = 2**64 - 1
+# SplitMix64's odd multipliers, as the signed int64 values torch multiplies with (wrapping mod 2**64)
+_GOLDEN = 0x9E3779B97F4A7C15 - 2**64
+_MIX1 = 0xBF58476D1CE4E5B9 - 2**64
+_MIX2 = 0x94D049BB133111EB - 2**64
+
+
+def _mix(keys: torch.Tensor) -> torch.Tensor:
+    """SplitMix64's finaliser on int64 [n], with wrapping multiplies and arithmetic shifts where the
+    reference shifts logically: another mixing function, as good for telling tensors apart."""
+    keys = keys * _GOLDEN
+    keys = (keys ^ (keys >> 30)) * _MIX1
+    keys = (keys ^ (keys >> 27)) * _MIX2
+    return keys ^ (keys >> 31)
+
+
+def fingerprint(tensor: torch.Tensor) -> int:
+    """The fingerprint of a float32 tensor (see the module docstring).
+
+    Args:
+        tensor: float32, any shape, on any device (mixed and summed there, 2**24 elements at a time).
+
+    Returns:
+        int in [0, 2**64): the sum, modulo 2**64, of the mix of each element's 32 bits with its flat
+        position in the upper 32 bits. It does not depend on the chunk size.
+
+    Raises:
+        TypeError: ``tensor`` is not float32.
+    """
+    if tensor.dtype != torch.float32:
+        raise TypeError(f"fingerprint expects float32, got {tensor.dtype}")
+    bits = tensor.detach().reshape(-1).view(torch.int32)
+    total = 0
+    for start in range(0, bits.numel(), _CHUNK):
+        chunk = bits[start : start + _CHUNK].to(torch.int64) & 0xFFFFFFFF
+        position = torch.arange(start, start + chunk.numel(), device=chunk.device, dtype=torch.int64)
+        total = (total + int(_mix(chunk | (position << 32)).sum())) & _MASK64
+    return total
+
+
+def optimizer_fingerprints(optimizer) -> dict[tuple[int, str], int]:
+    """``fingerprint`` of each FP32 master weight of a ``MasterWeightAdamW`` and of its AdamW moments.
+
+    These show a difference in the update where the bf16 weights may not: at a learning rate of 1e-6 a
+    step moves a weight by far less than one bf16 step, and the second moment holds the squared
+    gradient itself.
+
+    Returns:
+        {(parameter index, "master" | "exp_avg" | "exp_avg_sq"): fingerprint}; a moment AdamW has not
+        made yet (no step taken) is left out.
+    """
+    out = {}
+    for index, master in enumerate(optimizer.masters):
+        state = optimizer.inner.state.get(master, {})
+        for name, value in (
+            ("master", master),
+            ("exp_avg", state.get("exp_avg")),
+            ("exp_avg_sq", state.get("exp_avg_sq")),
+        ):
+            if value is not None:
+                out[(index, name)] = fingerprint(value)
+    return out
+
+
+def differing(a: dict, b: dict) -> int:
+    """How many tensors of two ``optimizer_fingerprints`` differ: those present in both with other
+    fingerprints, and those present in only one."""
+    return sum(a.get(key) != b.get(key) for key in a.keys() | b.keys())
