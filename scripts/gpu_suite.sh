@@ -1,19 +1,21 @@
 #!/usr/bin/env bash
 # GPU tests and benchmarks in one call. Usage: scripts/gpu_suite.sh [tests] [train] [prefix] [decode] [schedule]
-# [profile] (no argument = all but profile; profile: one serial GRPO step profiled, idle time by launcher).
+# [profile] [same] (no argument = all but profile and same; profile: one serial GRPO step profiled, idle time
+# by launcher; same: whether each schedule's update is serial's, and serial's own from run to run, plain and
+# with torch's deterministic algorithms: two schedule benchmarks, 8-10 minutes).
 # Results go under $OUT (default ./gpu-results): logs, metrics and JSON tables.
 # SCHEDULE_ROWS picks the rows of the schedule benchmark (default: rollplex bench schedule's default rows),
 # SCHEDULE_ARGS adds options (e.g. "--warmup 1 --steps 1"), SCHEDULE_NAME names its output files.
 # Wheels missing from the GPU image (PyAV, rouge-score, nltk) are installed from .whl/ when present.
 # Python: the python3 on PATH (activate the environment that has torch first).
 set -uo pipefail
-usage() { sed -n '2,8p' "$0" | sed 's/^# \{0,1\}//'; }
+usage() { sed -n '2,10p' "$0" | sed 's/^# \{0,1\}//'; }
 stages=${*:-tests train prefix decode schedule}
 for stage in $stages; do
   case $stage in
     -h|--help) usage; exit 0 ;;
-    tests|train|prefix|decode|profile|schedule) ;;
-    *) echo "gpu_suite.sh: error: unknown stage '$stage' (expected tests, train, prefix, decode, schedule, profile)" >&2
+    tests|train|prefix|decode|profile|schedule|same) ;;
+    *) echo "gpu_suite.sh: error: unknown stage '$stage' (expected tests, train, prefix, decode, schedule, profile, same)" >&2
        exit 2 ;;
   esac
 done
@@ -54,6 +56,11 @@ for stage in $stages; do
     profile)
       python3 scripts/step_profile.py "$OUT/step" > "$OUT/profile.log" 2>&1 || status=1
       cat "$OUT/step.gaps.txt" 2>/dev/null ;;
+    same)
+      rollplex bench schedule --rows serial,serial-again,fusion,overlap,both --warmup 1 --steps 2 \
+        --out "$OUT/same.json" 2>&1 | tee "$OUT/same.log" || status=1
+      rollplex bench schedule --deterministic --rows serial,serial-again,both --warmup 1 --steps 2 \
+        --out "$OUT/same-deterministic.json" 2>&1 | tee "$OUT/same-deterministic.log" || status=1 ;;
     schedule)
       name=${SCHEDULE_NAME:-bench-schedule}
       args=${SCHEDULE_ARGS:-}
