@@ -54,6 +54,35 @@ def fingerprint(tensor: torch.Tensor) -> int:
     return total
 
 
+def step_fingerprints(scored) -> dict[str, int]:
+    """Fingerprints of what one step computed before its update, from its ``ScoredBatch``: the sampled
+    tokens (int64 [B, R], as float32: token ids are exact there), the rollout's recorded log-probs, the
+    advantages and the reference log-probs (float32). Comparing them step by step between two runs says
+    where the runs first part: in what rollout sampled, or only in training.
+
+    Returns:
+        {"responses" | "rollout_logprobs" | "advantages" | "ref_logprobs": fingerprint}; the reference's
+        left out when KL is off.
+    """
+    rollout = scored.rollout
+    parts = {
+        "responses": rollout.responses.to(torch.float32),
+        "rollout_logprobs": rollout.logprobs,
+        "advantages": scored.advantages,
+        "ref_logprobs": scored.ref_logprobs,
+    }
+    return {name: fingerprint(value.float()) for name, value in parts.items() if value is not None}
+
+
+def first_difference(a: list[dict], b: list[dict]) -> dict[str, int | None]:
+    """Per key of two runs' ``step_fingerprints`` lists, the first step (1-based) where they differ,
+    or None where every step the two share agrees."""
+    keys = [k for k in (a[0] if a else {}) if all(k in s for s in a + b)]
+    return {
+        key: next((i + 1 for i, (x, y) in enumerate(zip(a, b)) if x[key] != y[key]), None) for key in keys
+    }
+
+
 def optimizer_fingerprints(optimizer) -> dict[tuple[int, str], int]:
     """``fingerprint`` of each FP32 master weight of a ``MasterWeightAdamW`` and of its AdamW moments.
 

@@ -42,7 +42,9 @@ and its ratio to the memory roofline (bench.decode), peak memory, the caching al
 cudaMalloc that failed, freed the cache and retried) and device frees over the row's iterations, the
 largest bf16 parameter difference from the baseline after the timed steps, and how many of the
 optimizer's FP32 tensors (master weights, AdamW moments) differ from the baseline's
-(``bench.fingerprint``: the bf16 weights alone can hide a different update). Responses are scored by
+(``bench.fingerprint``: the bf16 weights alone can hide a different update), with the first step
+whose sampled tokens, recorded log-probs, advantages or reference log-probs differ from the
+baseline's (``first_step_differing``: in rollout, or only in training). Responses are scored by
 ``bench.common.distinct_reward``, so the update is not zero. A row that fails is recorded with its
 error, and the others run.
 """
@@ -63,7 +65,7 @@ import torch
 
 from rollplex.bench.common import PromptShape, Workload, bench_device, synthetic_prompt, workload_model
 from rollplex.bench.decode import copy_bandwidth, step_bytes
-from rollplex.bench.fingerprint import differing, optimizer_fingerprints
+from rollplex.bench.fingerprint import differing, first_difference, optimizer_fingerprints, step_fingerprints
 from rollplex.bench.variants import BASELINES, MAIN_ROWS, ROW_ENV, ROWS
 from rollplex.config import load_config
 from rollplex.models.compiled import compile_fallback, compiled_scope, compiles_layers
@@ -209,11 +211,12 @@ def _timed_row(work: _Workload, name: str, cfg: ScheduleBenchConfig) -> tuple[di
     if work.device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(work.device)
         torch.cuda.reset_accumulated_memory_stats(work.device)
-    warmup = _warmup(step, cfg)
+    warmup, trail = _warmup(step, cfg), []
     for i in range(warmup + cfg.steps):
         start = timer.now()
-        *_, norms, extra = step(roles, work.prompts, timer)
+        scored, _, norms, extra = step(roles, work.prompts, timer)
         end = timer.now()
+        trail.append(step_fingerprints(scored))  # after the step's clock: not timed
         spent = {**timer.pop(), **extra, "grad_norm": _largest(norms)}
         print(f"    {name} iteration {i}: {end - start:.3f} s", flush=True)
         if i >= warmup:
@@ -244,7 +247,7 @@ def _timed_row(work: _Workload, name: str, cfg: ScheduleBenchConfig) -> tuple[di
     print(f"  {name}: {row['step_s_median']:.3f} s/step (spread {row['step_s_spread']:.3f})", flush=True)
     # the parameters go to host memory: a device copy per row would sit in every later row's peak memory
     weights = {k: v.detach().to("cpu", copy=True) for k, v in work.actor.state_dict().items()}
-    snapshot = _Snapshot(weights, optimizer_fingerprints(roles.optimizer))
+    snapshot = _Snapshot(weights, optimizer_fingerprints(roles.optimizer), trail)
     if work.device.type == "cuda":
         torch.cuda.empty_cache()  # the fingerprints' temporaries stay out of the next row's memory
     return row, snapshot
@@ -261,6 +264,7 @@ class _Snapshot:
 
     weights: dict[str, torch.Tensor]
     fingerprints: dict[tuple[int, str], int]
+    steps: list[dict[str, int]]  # bench.fingerprint.step_fingerprints of every step, warm-up included
 
 
 def _summarise(rows: dict, tokens: int, roofline_s: float) -> None:
@@ -329,6 +333,7 @@ def _compare(row: dict, snap: _Snapshot, base: _Snapshot) -> None:
     w, b = snap.weights, base.weights
     row["max_abs_param_diff_vs_serial"] = max(float((w[k].float() - b[k].float()).abs().max()) for k in w)
     row["optimizer_tensors_differing"] = differing(snap.fingerprints, base.fingerprints)
+    row["first_step_differing"] = first_difference(snap.steps, base.steps)
 
 
 def _write(result: ScheduleBenchResult, out: Path | None) -> None:
@@ -367,6 +372,10 @@ def _print(result: ScheduleBenchResult) -> None:
             continue
         print(f"{name:20} " + " ".join(f"{row.get(k, float('nan')):12.4g}" for k in keys))
     for name, row in result.rows.items():
+        parted = {k: v for k, v in row.get("first_step_differing", {}).items() if v is not None}
+        if parted:
+            where = ", ".join(f"{k} from step {v}" for k, v in parted.items())
+            print(f"{name}: differs from {row['baseline']} in {where}")
         if "auto_policy" in row:
             trials = ", ".join(f"{p} {t:.3f} s" for p, t in row["auto_trials_span_s"].items())
             print(f"{name}: median decode/prefix span per policy: {trials}; kept {row['auto_policy']}")

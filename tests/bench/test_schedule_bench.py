@@ -39,6 +39,7 @@ def test_rows_reach_the_same_parameters(tmp_path):
         assert (name in {"auto", *baselines}) != ("max_abs_param_diff_vs_serial" in row), name
         assert (name in baselines) != (row.get("baseline") == BASELINES[name]), name
         assert row["grad_norm"] > 0, name  # a real update: the rows' agreement is not the trivial one
+        assert set(row.get("first_step_differing", {}).values()) <= {None}, name
         assert row["step_s_median"] > 0 and row["eq1/T_D"] > 0
     assert result.rows["both-whole-batch"]["baseline"] == "serial-whole-batch"
     assert result.rows["both"]["baseline"] == "serial"
@@ -138,6 +139,31 @@ def test_the_optimizer_fingerprints_see_an_update_the_bf16_weights_do_not():
     assert f1[(0, "master")] == f2[(0, "master")]  # the same sign-sized first step
     assert differing(f1, f2) == 2 and differing(f1, f1) == 0
     assert differing(f1, {(0, "master"): f1[(0, "master")]}) == 2
+
+
+def test_step_fingerprints_say_where_two_runs_first_part():
+    """Two runs' step fingerprints: the first step whose sampled tokens, recorded log-probs, advantages
+    or reference log-probs differ, or None; a key one run lacks (KL off) is left out."""
+    from types import SimpleNamespace
+
+    from rollplex.bench.fingerprint import first_difference, step_fingerprints
+
+    def scored(token: int, ref: float | None):
+        rollout = SimpleNamespace(responses=torch.tensor([[1, token]]), logprobs=torch.tensor([[-0.5, -1.0]]))
+        ref_lp = None if ref is None else torch.tensor([[ref, -1.0]])
+        return SimpleNamespace(rollout=rollout, advantages=torch.tensor([0.5]), ref_logprobs=ref_lp)
+
+    a = [step_fingerprints(scored(2, -0.5)), step_fingerprints(scored(3, -0.5))]
+    b = [step_fingerprints(scored(2, -0.5)), step_fingerprints(scored(4, -0.25))]
+    assert first_difference(a, b) == {
+        "responses": 2,
+        "rollout_logprobs": None,
+        "advantages": None,
+        "ref_logprobs": 2,
+    }
+    assert first_difference(a, a) == dict.fromkeys(a[0])
+    no_kl = [step_fingerprints(scored(2, None)), step_fingerprints(scored(3, None))]
+    assert first_difference(a, no_kl) == {"responses": None, "rollout_logprobs": None, "advantages": None}
 
 
 def test_a_failing_row_is_recorded_and_the_others_run(monkeypatch):
