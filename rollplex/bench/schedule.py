@@ -40,7 +40,8 @@ co-running, S measured saving, bound min(T_D, T_P), T_post), the gradient norm (
 median step's largest norm before clipping; inf where an update was skipped), decode seconds per step
 and its ratio to the memory roofline (bench.decode), peak memory, the caching allocator's retries (a
 cudaMalloc that failed, freed the cache and retried) and device frees over the row's iterations, the
-largest bf16 parameter difference from the baseline after the timed steps, and how many of the
+largest bf16 parameter difference from the baseline after the timed steps, the relative difference
+of the FP32 updates (``Updates``), and how many of the
 optimizer's FP32 tensors (master weights, AdamW moments) differ from the baseline's
 (``bench.fingerprint``: the bf16 weights alone can hide a different update), with the first step
 whose sampled tokens, recorded log-probs, advantages or reference log-probs differ from the
@@ -126,6 +127,7 @@ class _Workload:
         self.sms = (
             torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 2
         )
+        self.updates: Updates | None = None  # set by run_schedule_bench
 
     def roles(self, overrides: dict, cfg: ScheduleBenchConfig) -> Roles:
         """Fresh roles from the initial weights for one row."""
@@ -248,9 +250,54 @@ def _timed_row(work: _Workload, name: str, cfg: ScheduleBenchConfig) -> tuple[di
     # the parameters go to host memory: a device copy per row would sit in every later row's peak memory
     weights = {k: v.detach().to("cpu", copy=True) for k, v in work.actor.state_dict().items()}
     snapshot = _Snapshot(weights, optimizer_fingerprints(roles.optimizer), trail)
+    if work.updates is not None:
+        work.updates.record(name, roles.optimizer, row)
     if work.device.type == "cuda":
         torch.cuda.empty_cache()  # the fingerprints' temporaries stay out of the next row's memory
     return row, snapshot
+
+
+class Updates:
+    """Each row's update, its FP32 master weights minus the initial weights: kept on the host (FP32, the
+    size of the masters) for the rows that are another row's baseline, and for the other rows compared
+    with their baseline's as they finish, as ``update_rel_diff_vs_serial`` = ‖u − u_base‖₂ / ‖u_base‖₂
+    over every parameter (0 for the same update; serial-again against serial gives the run-to-run
+    floor). A row is compared only when its baseline ran before it, with as many steps.
+
+    Args:
+        initial: the initial weights by parameter name (any float dtype; the masters started from them).
+        names: parameter name by ``id`` of each trained parameter.
+        rows: the rows the bench will run, in order.
+    """
+
+    def __init__(self, initial: dict[str, torch.Tensor], names: dict[int, str], rows: tuple[str, ...]):
+        self.initial, self.names = initial, names
+        self.needed = {BASELINES[r] for r in rows}
+        self.kept: dict[str, tuple[int, list[torch.Tensor]]] = {}
+
+    def _updates(self, optimizer):
+        for param, master in zip(optimizer.params, optimizer.masters, strict=True):
+            yield master.detach() - self.initial[self.names[id(param)]].to(master.device, torch.float32)
+
+    def record(self, name: str, optimizer, row: dict) -> None:
+        """Compare the finished row's update with its baseline's (``row`` gains the ratio) and keep it
+        when another row will compare with it."""
+        base_name = BASELINES[name]
+        steps, base = row["steps_taken"], self.kept.get(base_name) if base_name != name else None
+        base = base[1] if base is not None and base[0] == steps else None
+        keep = name in self.needed
+        stored, diff, ref = [], 0.0, 0.0
+        for i, update in enumerate(self._updates(optimizer)):
+            if base is not None:
+                b = base[i].to(update.device)
+                diff += float((update - b).double().pow(2).sum())
+                ref += float(b.double().pow(2).sum())
+            if keep:
+                stored.append(update.to("cpu", copy=True))
+        if keep:
+            self.kept[name] = (steps, stored)
+        if base is not None:
+            row["update_rel_diff_vs_serial"] = math.sqrt(diff / ref) if ref > 0 else math.nan
 
 
 def _largest(norms: list[float]) -> float:
@@ -297,6 +344,8 @@ def run_schedule_bench(cfg: ScheduleBenchConfig, out: Path | None = None) -> Sch
         use_deterministic_algorithms()  # before the workload's first product (see its docstring)
     device = bench_device(cfg.preset)
     work = _Workload(cfg, device)
+    names = {id(p): n for n, p in work.actor.named_parameters()}
+    work.updates = Updates(work.initial, names, cfg.rows)
     result = ScheduleBenchResult(config=asdict(cfg))
     snapshots = {}
     for name in cfg.rows:
@@ -361,6 +410,7 @@ def _print(result: ScheduleBenchResult) -> None:
         "alloc_retries",
         "device_allocs",
         "max_abs_param_diff_vs_serial",
+        "update_rel_diff_vs_serial",
         "optimizer_tensors_differing",
     ]
     keys = [k for k in keys if any(k in row for row in result.rows.values())]

@@ -40,6 +40,8 @@ def test_rows_reach_the_same_parameters(tmp_path):
         assert (name in baselines) != (row.get("baseline") == BASELINES[name]), name
         assert row["grad_norm"] > 0, name  # a real update: the rows' agreement is not the trivial one
         assert set(row.get("first_step_differing", {}).values()) <= {None}, name
+        assert row.get("update_rel_diff_vs_serial", 0.0) == 0.0, name
+        assert ("update_rel_diff_vs_serial" in row) == ("optimizer_tensors_differing" in row), name
         assert row["step_s_median"] > 0 and row["eq1/T_D"] > 0
     assert result.rows["both-whole-batch"]["baseline"] == "serial-whole-batch"
     assert result.rows["both"]["baseline"] == "serial"
@@ -164,6 +166,35 @@ def test_step_fingerprints_say_where_two_runs_first_part():
     assert first_difference(a, a) == dict.fromkeys(a[0])
     no_kl = [step_fingerprints(scored(2, None)), step_fingerprints(scored(3, None))]
     assert first_difference(a, no_kl) == {"responses": None, "rollout_logprobs": None, "advantages": None}
+
+
+def test_updates_are_compared_with_the_baselines_as_a_relative_l2_difference():
+    """u = master − initial per parameter; ‖u − u_serial‖ / ‖u_serial‖ over all of them, by hand:
+    serial's update (3, 4 | 0) has norm 5, both's (3, 4 | 1) differs by 1: 0.2. A row whose baseline
+    has not run, or ran another number of steps, gets no value; only baselines are kept."""
+    from types import SimpleNamespace
+
+    from rollplex.bench.schedule import Updates
+
+    initial = {"a": torch.tensor([1.0, 1.0]), "b": torch.tensor([2.0])}
+    params = [torch.nn.Parameter(torch.zeros(2)), torch.nn.Parameter(torch.zeros(1))]
+    names = {id(params[0]): "a", id(params[1]): "b"}
+
+    def optimizer(a, b):
+        masters = [torch.tensor(a), torch.tensor(b)]
+        return SimpleNamespace(params=params, masters=masters)
+
+    updates = Updates(initial, names, ("both", "serial", "serial-again", "fusion"))
+    early = {"steps_taken": 3}
+    updates.record("both", optimizer([4.0, 5.0], [3.0]), early)  # before serial ran
+    serial = {"steps_taken": 3}
+    updates.record("serial", optimizer([4.0, 5.0], [2.0]), serial)
+    again, fusion = {"steps_taken": 3}, {"steps_taken": 4}
+    updates.record("serial-again", optimizer([4.0, 5.0], [3.0]), again)
+    updates.record("fusion", optimizer([4.0, 5.0], [2.0]), fusion)
+    assert again["update_rel_diff_vs_serial"] == pytest.approx(0.2, rel=1e-12)
+    assert "update_rel_diff_vs_serial" not in early | serial | fusion
+    assert set(updates.kept) == {"serial"}
 
 
 def test_a_failing_row_is_recorded_and_the_others_run(monkeypatch):
