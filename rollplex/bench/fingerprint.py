@@ -46,12 +46,12 @@ def fingerprint(tensor: torch.Tensor) -> int:
     if tensor.dtype != torch.float32:
         raise TypeError(f"fingerprint expects float32, got {tensor.dtype}")
     bits = tensor.detach().reshape(-1).view(torch.int32)
-    total = 0
+    total = torch.zeros((), dtype=torch.int64, device=bits.device)  # sums wrap: modulo 2**64
     for start in range(0, bits.numel(), _CHUNK):
         chunk = bits[start : start + _CHUNK].to(torch.int64) & 0xFFFFFFFF
         position = torch.arange(start, start + chunk.numel(), device=chunk.device, dtype=torch.int64)
-        total = (total + int(_mix(chunk | (position << 32)).sum())) & _MASK64
-    return total
+        total += _mix(chunk | (position << 32)).sum()
+    return int(total) & _MASK64  # one read of the device per tensor
 
 
 def step_fingerprints(scored) -> dict[str, int]:
