@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # GPU tests and benchmarks in one call. Usage: scripts/gpu_suite.sh [tests] [train] [prefix] [decode] [schedule]
-# [profile] [same] (no argument = all but profile and same; profile: one serial GRPO step profiled, idle time
-# by launcher; same: whether each schedule's update is serial's, and serial's own from run to run, plain and
-# with torch's deterministic algorithms: two schedule benchmarks, 8-10 minutes).
+# [profile] [same] [same-det] (no argument = all but the last three; profile: one serial GRPO step profiled,
+# idle time by launcher; same: whether each schedule's update is serial's, and serial's its own from run to
+# run, about 6 minutes; same-det: the same with torch's deterministic algorithms, about 4 minutes).
 # Results go under $OUT (default ./gpu-results): logs, metrics and JSON tables.
 # SCHEDULE_ROWS picks the rows of the schedule benchmark (default: rollplex bench schedule's default rows),
 # SCHEDULE_ARGS adds options (e.g. "--warmup 1 --steps 1"), SCHEDULE_NAME names its output files.
@@ -14,8 +14,8 @@ stages=${*:-tests train prefix decode schedule}
 for stage in $stages; do
   case $stage in
     -h|--help) usage; exit 0 ;;
-    tests|train|prefix|decode|profile|schedule|same) ;;
-    *) echo "gpu_suite.sh: error: unknown stage '$stage' (expected tests, train, prefix, decode, schedule, profile, same)" >&2
+    tests|train|prefix|decode|profile|schedule|same|same-det) ;;
+    *) echo "gpu_suite.sh: error: unknown stage '$stage' (expected tests, train, prefix, decode, schedule, profile, same, same-det)" >&2
        exit 2 ;;
   esac
 done
@@ -41,7 +41,8 @@ for stage in $stages; do
   echo "=== $stage $(date -u +%FT%TZ)"
   case $stage in
     tests)
-      python3 -m pytest -q -p no:cacheprovider tests/numerics tests/schedule tests/rollout tests/models 2>&1 | tee "$OUT/tests.log" || status=1 ;;
+      python3 -m pytest -q -p no:cacheprovider tests/numerics tests/schedule tests/rollout tests/models \
+        tests/bench/test_fingerprint.py 2>&1 | tee "$OUT/tests.log" || status=1 ;;
     train)
       [ -d "$WORK/3b" ] || rollplex model init --preset qwen2.5-vl-3b --out "$WORK/3b" --dtype bfloat16
       [ -d "$WORK/video" ] || rollplex data synth --out "$WORK/video" --num 16 --seed 0 \
@@ -58,7 +59,8 @@ for stage in $stages; do
       cat "$OUT/step.gaps.txt" 2>/dev/null ;;
     same)
       rollplex bench schedule --rows serial,serial-again,fusion,overlap,both --warmup 1 --steps 2 \
-        --out "$OUT/same.json" 2>&1 | tee "$OUT/same.log" || status=1
+        --out "$OUT/same.json" 2>&1 | tee "$OUT/same.log" || status=1 ;;
+    same-det)
       rollplex bench schedule --deterministic --rows serial,serial-again,both --warmup 1 --steps 2 \
         --out "$OUT/same-deterministic.json" 2>&1 | tee "$OUT/same-deterministic.log" || status=1 ;;
     schedule)

@@ -1,12 +1,13 @@
 """Fingerprints of an update: whether two runs left bitwise the same FP32 master weights and AdamW moments,
 without keeping a copy of either (the 3B model's masters and moments are 45 GB).
 
-A fingerprint is a 64-bit sum, over the elements of a float32 tensor, of a mixing function of each
-element's bit pattern and position (the multiply and xor-shift steps of SplitMix64's finaliser,
-Steele, Lea and Flood, "Fast splittable pseudorandom number generators", OOPSLA 2014). Equal tensors
-give equal fingerprints. Because the mix is not linear, two tensors that differ anywhere give equal
-ones only by a chance coincidence (about 2**-64), whatever the pattern of the differences, where a
-weighted sum of the bits misses differences that cancel in it.
+A fingerprint is a 64-bit sum, over the elements of a float32 tensor, of SplitMix64's finaliser (Steele,
+Lea and Flood, "Fast splittable pseudorandom number generators", OOPSLA 2014: a bijection of 64-bit
+words) applied to each element's bit pattern with its position in the upper 32 bits. Equal tensors give
+equal fingerprints. Distinct (value, position) pairs give distinct mixed words, and the mix is not
+linear, so two tensors that differ give equal sums only by a chance coincidence of their mixed words'
+totals, not for any structured pattern of differences, as a weighted sum of the bits would (it misses
+differences that cancel in it).
 """
 
 from __future__ import annotations
@@ -21,13 +22,19 @@ _MIX1 = 0xBF58476D1CE4E5B9 - 2**64
 _MIX2 = 0x94D049BB133111EB - 2**64
 
 
+def _shift(keys: torch.Tensor, bits: int) -> torch.Tensor:
+    """Logical right shift of int64 words (torch shifts arithmetically: the sign bit's copies are
+    masked off)."""
+    return (keys >> bits) & ((1 << (64 - bits)) - 1)
+
+
 def _mix(keys: torch.Tensor) -> torch.Tensor:
-    """SplitMix64's finaliser on int64 [n], with wrapping multiplies and arithmetic shifts where the
-    reference shifts logically: another mixing function, as good for telling tensors apart."""
+    """SplitMix64's finaliser on int64 [n] (multiplies wrap modulo 2**64, shifts are logical): a
+    bijection of 64-bit words."""
     keys = keys * _GOLDEN
-    keys = (keys ^ (keys >> 30)) * _MIX1
-    keys = (keys ^ (keys >> 27)) * _MIX2
-    return keys ^ (keys >> 31)
+    keys = (keys ^ _shift(keys, 30)) * _MIX1
+    keys = (keys ^ _shift(keys, 27)) * _MIX2
+    return keys ^ _shift(keys, 31)
 
 
 def fingerprint(tensor: torch.Tensor) -> int:
@@ -42,9 +49,12 @@ def fingerprint(tensor: torch.Tensor) -> int:
 
     Raises:
         TypeError: ``tensor`` is not float32.
+        ValueError: it has 2**32 elements or more (positions must fit in 32 bits).
     """
     if tensor.dtype != torch.float32:
         raise TypeError(f"fingerprint expects float32, got {tensor.dtype}")
+    if tensor.numel() >= 2**32:
+        raise ValueError(f"fingerprint takes fewer than 2**32 elements, got {tensor.numel()}")
     bits = tensor.detach().reshape(-1).view(torch.int32)
     total = torch.zeros((), dtype=torch.int64, device=bits.device)  # sums wrap: modulo 2**64
     for start in range(0, bits.numel(), _CHUNK):
