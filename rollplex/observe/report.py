@@ -115,7 +115,8 @@ def eq1_figure(rows: Sequence[dict]) -> Figure | None:
 
 def schedule_bench_figure(result: dict) -> Figure:
     """``rollplex bench schedule`` JSON as horizontal bars per schedule: Phase-1 makespan and the rest of
-    the step (T_post), with the speedup over serial written at the end of each bar (9×(1+0.5·rows) in)."""
+    the step (T_post), with the speedup over the row's baseline written at the end of each bar, and
+    whether its update was the baseline's (``bar_label``) (9×(1+0.5·rows) in)."""
     rows = {name: row for name, row in result["rows"].items() if "error" not in row}
     names = list(rows)
     fig = Figure(figsize=(9, 1.6 + 0.5 * len(names)))
@@ -126,14 +127,26 @@ def schedule_bench_figure(result: dict) -> Figure:
     ax.barh(names, first, label="rollout (+ Phase-1 prefixes)")
     ax.barh(names, post, left=first, label="rewards, suffixes, backward, optimizer")
     for i, name in enumerate(names):
-        speedup = rows[name].get("speedup_vs_serial")
-        label = f" {step[i]:.2f} s" + (f" ({speedup:.3f}×)" if speedup else "")
-        ax.text(step[i], i, label, va="center", fontsize=8)
+        ax.text(step[i], i, bar_label(rows[name]), va="center", fontsize=8)
     ax.invert_yaxis()
     ax.set(xlabel="median seconds per step", title="Schedules side by side")
-    ax.set_xlim(0, max(step, default=1.0) * 1.3)
+    compared = any("optimizer_tensors_differing" in rows[n] for n in names)  # longer labels
+    ax.set_xlim(0, max(step, default=1.0) * (1.8 if compared else 1.3))
     ax.legend(fontsize="small", loc="upper center", bbox_to_anchor=(0.5, -0.35), ncol=2)
     return fig
+
+
+def bar_label(row: dict) -> str:
+    """A bench row's bar label: step time, speedup over its baseline, and, where the optimizer's
+    tensors were compared with the baseline's, whether the update was the same (bitwise) or differed
+    (in how many tensors)."""
+    label = f" {row['step_s_median']:.2f} s"
+    if row.get("speedup_vs_serial"):
+        label += f" ({row['speedup_vs_serial']:.3f}×)"
+    differing = row.get("optimizer_tensors_differing")
+    if differing is not None:
+        label += "; same update" if differing == 0 else f"; update differs ({differing} tensors)"
+    return label
 
 
 def mean_breakdown(table: dict[str, list[float]]) -> dict[str, float]:

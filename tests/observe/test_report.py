@@ -246,6 +246,17 @@ def test_eq1_and_schedule_bench_figures(tmp_path):
         bench_report(tmp_path / "bad.json")
 
 
+def test_a_bench_bar_says_whether_the_update_was_the_baselines():
+    from rollplex.observe.report import bar_label
+
+    assert bar_label({"step_s_median": 10.0}) == " 10.00 s"
+    same = {"step_s_median": 8.0, "speedup_vs_serial": 1.25, "optimizer_tensors_differing": 0}
+    assert bar_label(same) == " 8.00 s (1.250×); same update"
+    assert bar_label({**same, "optimizer_tensors_differing": 2472}).endswith(
+        "; update differs (2472 tensors)"
+    )
+
+
 def test_a_phase_has_one_colour_in_every_figure():
     """The step-time bars and the timeline draw a phase in the same colour, whatever phases are present."""
     from matplotlib.colors import to_rgba
