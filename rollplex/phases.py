@@ -316,9 +316,9 @@ def _stats(sums: torch.Tensor) -> ActorStats:
     return ActorStats(**{**values, "tokens": int(values["tokens"])})
 
 
-def actor_old_logprobs(roles: Roles, scored: ScoredBatch) -> torch.Tensor | None:
-    """Behaviour log-probs under θ_k for multi-update steps (None when there is one update per batch)."""
-    if roles.config.algo.mini_batches <= 1:
-        return None
+def actor_old_logprobs(roles: Roles, scored: ScoredBatch) -> torch.Tensor:
+    """Behaviour log-probs float32 [B, R] under θ_k, for steps of several updates (with one update per
+    batch the caller passes None to ``actor_backward`` instead: the ratio's old log-probs are then the
+    current ones, detached)."""
     rollout = scored.rollout
     return score(roles.actor, rollout.prompts, rollout, roles.score_temperature, roles.banned_ids)

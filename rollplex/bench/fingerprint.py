@@ -76,7 +76,7 @@ def step_fingerprints(scored) -> dict[str, int]:
     """
     rollout = scored.rollout
     parts = {
-        "responses": rollout.responses.to(torch.float32),
+        "responses": rollout.responses,
         "rollout_logprobs": rollout.logprobs,
         "advantages": scored.advantages,
         "ref_logprobs": scored.ref_logprobs,

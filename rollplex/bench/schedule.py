@@ -52,7 +52,6 @@ error, and the others run.
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import json
 import math
@@ -61,6 +60,7 @@ import statistics
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from unittest.mock import patch
 
 import torch
 
@@ -186,23 +186,8 @@ def _warmup(step, cfg: ScheduleBenchConfig) -> int:
 
 
 def _run_row(work: _Workload, name: str, cfg: ScheduleBenchConfig) -> tuple[dict, _Snapshot]:
-    with _environment(ROW_ENV.get(name, {})):
+    with patch.dict(os.environ, ROW_ENV.get(name, {})):  # the row's environment, then as it was
         return _timed_row(work, name, cfg)
-
-
-@contextlib.contextmanager
-def _environment(values: dict[str, str]):
-    """``os.environ`` with ``values`` set for the body, then as it was."""
-    before = {key: os.environ.get(key) for key in values}
-    os.environ.update(values)
-    try:
-        yield
-    finally:
-        for key, value in before.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
 
 
 def _timed_row(work: _Workload, name: str, cfg: ScheduleBenchConfig) -> tuple[dict, _Snapshot]:

@@ -45,7 +45,7 @@ def serial_step(
     with timer.phase("reference"):
         scored = reference_phase(roles, scored)
     old_logprobs = None
-    if cfg.algo.mini_batches > 1:  # one update per batch: the ratio's old log-probs are its own, detached
+    if cfg.algo.mini_batches > 1:  # else the ratio's old log-probs are the current ones (actor_backward)
         with timer.phase("actor"):
             old_logprobs = actor_old_logprobs(roles, scored)
     stats, norms = [], []
