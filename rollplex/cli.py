@@ -260,8 +260,8 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
         "--deterministic",
         action="store_true",
         default=None,
-        help="torch's deterministic algorithms for the whole run (run.deterministic): whether the rows' "
-        "updates then agree bitwise",
+        help="torch's deterministic algorithms for the whole run (run.deterministic): the rows' updates then "
+        "agree bitwise (measured on one H200 at the 3B shape; steps 2.4x slower)",
     )
     p.add_argument(
         "--decode-attention",

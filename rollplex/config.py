@@ -76,7 +76,10 @@ class RunConfig:
         "model dtype; auto = bfloat16 on cuda, float32 on cpu",
         choices=("auto", "float32", "bfloat16", "float64"),
     )
-    deterministic: bool = _field(False, "use deterministic torch algorithms (slower)")
+    deterministic: bool = _field(
+        False,
+        "use deterministic torch algorithms: bitwise-repeatable updates (2.4x slower steps on one H200, 3B)",
+    )
     schedule: str = _field(
         "serial",
         "phase schedule of one iteration: serial (phases one after another), rollplex (reference and "

@@ -2,14 +2,15 @@
 # GPU tests and benchmarks in one call. Usage: scripts/gpu_suite.sh [tests] [train] [prefix] [decode] [schedule]
 # [profile] [same] [same-det] (no argument = all but the last three; profile: one serial GRPO step profiled,
 # idle time by launcher; same: whether each schedule's update is serial's, and serial's its own from run to
-# run, about 6 minutes; same-det: the same with torch's deterministic algorithms, about 4 minutes).
+# run, about 6 minutes; same-det: the same with torch's deterministic algorithms, about 6.5 minutes; tests:
+# about 7 minutes).
 # Results go under $OUT (default ./gpu-results): logs, metrics and JSON tables.
 # SCHEDULE_ROWS picks the rows of the schedule benchmark (default: rollplex bench schedule's default rows),
 # SCHEDULE_ARGS adds options (e.g. "--warmup 1 --steps 1"), SCHEDULE_NAME names its output files.
 # Wheels missing from the GPU image (PyAV, rouge-score, nltk) are installed from .whl/ when present.
 # Python: the python3 on PATH (activate the environment that has torch first).
 set -uo pipefail
-usage() { sed -n '2,10p' "$0" | sed 's/^# \{0,1\}//'; }
+usage() { sed -n '2,11p' "$0" | sed 's/^# \{0,1\}//'; }
 stages=${*:-tests train prefix decode schedule}
 for stage in $stages; do
   case $stage in
