@@ -271,9 +271,8 @@ class Updates:
     def record(self, name: str, optimizer, row: dict) -> None:
         """Compare the finished row's update with its baseline's (``row`` gains the ratio) and keep it
         when another row will compare with it."""
-        base_name = BASELINES[name]
-        steps, base = row["steps_taken"], self.kept.get(base_name) if base_name != name else None
-        base = base[1] if base is not None and base[0] == steps else None
+        base_name = compared_with(name, row["steps_taken"], {n: s for n, (s, _) in self.kept.items()})
+        base = self.kept[base_name][1] if base_name is not None else None
         keep = name in self.needed
         stored, diff, ref = [], 0.0, 0.0
         for i, update in enumerate(self._updates(optimizer)):
@@ -284,9 +283,17 @@ class Updates:
             if keep:
                 stored.append(_host_copy(update))
         if keep:
-            self.kept[name] = (steps, stored)
+            self.kept[name] = (row["steps_taken"], stored)
         if base is not None:
             row["update_rel_diff_vs_serial"] = math.sqrt(diff / ref) if ref > 0 else math.nan
+
+
+def compared_with(name: str, steps: int, ran: dict[str, int]) -> str | None:
+    """The row whose update row ``name`` (``steps`` steps taken) is compared with: its baseline
+    (``BASELINES``) when that is another row, among ``ran`` (steps taken by each row run before it),
+    with as many steps; else None (auto's trials add steps)."""
+    base = BASELINES[name]
+    return base if base != name and ran.get(base) == steps else None
 
 
 def _host_copy(tensor: torch.Tensor) -> torch.Tensor:
@@ -356,13 +363,15 @@ def run_schedule_bench(cfg: ScheduleBenchConfig, out: Path | None = None) -> Sch
             print(f"  {name}: failed: {type(err).__name__}: {err}", flush=True)
             result.rows[name] = {"error": f"{type(err).__name__}: {err}"}
         _write(result, out)  # after every row, so a run cut short keeps what it measured
-    for name, snap in snapshots.items():
-        base = BASELINES[name]
-        if base == name or base not in snapshots:
-            continue
-        result.rows[name]["baseline"] = base
-        if result.rows[name]["steps_taken"] == result.rows[base]["steps_taken"]:
-            _compare(result.rows[name], snap, snapshots[base])  # not auto: its trials add steps
+    ran: dict[str, int] = {}
+    for name, snap in snapshots.items():  # in the order the rows ran
+        row = result.rows[name]
+        if BASELINES[name] in ran:
+            row["baseline"] = BASELINES[name]
+        base = compared_with(name, row["steps_taken"], ran)
+        if base is not None:
+            _compare(row, snap, snapshots[base])
+        ran[name] = row["steps_taken"]
     bytes_per_step = step_bytes(
         work.actor, [p.length for p in work.prompts], cfg.group_size, cfg.response_tokens
     )
@@ -379,6 +388,7 @@ def _compare(row: dict, snap: _Snapshot, base: _Snapshot) -> None:
     w, b = snap.weights, base.weights
     row["max_abs_param_diff_vs_serial"] = max(float((w[k].float() - b[k].float()).abs().max()) for k in w)
     row["optimizer_tensors_differing"] = differing(snap.fingerprints, base.fingerprints)
+    row["optimizer_tensors"] = len(snap.fingerprints.keys() | base.fingerprints.keys())
     row["first_step_differing"] = first_difference(snap.steps, base.steps)
 
 
@@ -419,10 +429,27 @@ def _print(result: ScheduleBenchResult) -> None:
             continue
         print(f"{name:20} " + " ".join(f"{row.get(k, float('nan')):12.4g}" for k in keys))
     for name, row in result.rows.items():
-        parted = {k: v for k, v in row.get("first_step_differing", {}).items() if v is not None}
-        if parted:
-            where = ", ".join(f"{k} from step {v}" for k, v in parted.items())
-            print(f"{name}: differs from {row['baseline']} in {where}")
+        if "baseline" in row:
+            print(f"{name}: {verdict(row, result.rows[row['baseline']])}")
         if "auto_policy" in row:
             trials = ", ".join(f"{p} {t:.3f} s" for p, t in row["auto_trials_span_s"].items())
             print(f"{name}: median decode/prefix span per policy: {trials}; kept {row['auto_policy']}")
+
+
+def verdict(row: dict, base: dict) -> str:
+    """One line on whether a row's update was its baseline's (``base``, the baseline's row): the same
+    bitwise (every FP32 tensor of the optimizer, and every step's fingerprinted values), where it
+    differs, or why the two were not compared."""
+    name = row["baseline"]
+    if "optimizer_tensors_differing" not in row:
+        return f"not compared with {name} ({row['steps_taken']} steps against {base['steps_taken']})"
+    differ, total = row["optimizer_tensors_differing"], row["optimizer_tensors"]
+    steps = row["first_step_differing"]  # fingerprinted value -> first step differing, or None
+    parted = ", ".join(f"{key} at step {step}" for key, step in steps.items() if step is not None)
+    if differ == 0 and not parted:
+        return (
+            f"the same update as {name}, bitwise: {total} FP32 tensors, and every step's {', '.join(steps)}"
+        )
+    return f"differs from {name} in {differ} of {total} FP32 optimizer tensors" + (
+        f"; first in {parted}" if parted else ""
+    )

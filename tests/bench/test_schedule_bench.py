@@ -134,7 +134,49 @@ def test_a_failing_row_is_recorded_and_the_others_run(monkeypatch):
     assert result.rows["serial-again"]["optimizer_tensors_differing"] == 0
 
 
-def test_a_deterministic_run_turns_on_torchs_deterministic_algorithms_first(monkeypatch):
+def test_a_row_is_compared_only_with_a_baseline_that_ran_before_it_with_as_many_steps():
+    from rollplex.bench.schedule import compared_with
+
+    assert compared_with("both", 3, {"serial": 3}) == "serial"
+    assert compared_with("both", 3, {"serial": 4}) is None  # auto's trials add steps
+    assert compared_with("both", 3, {"fusion": 3}) is None  # serial has not run (or failed)
+    assert compared_with("serial", 3, {"serial": 3}) is None  # never with itself
+    assert (
+        compared_with("both-whole-batch", 3, {"serial": 3, "serial-whole-batch": 3}) == "serial-whole-batch"
+    )
+
+
+def test_the_verdict_says_same_bitwise_where_it_differs_or_why_not_compared():
+    from rollplex.bench.schedule import verdict
+
+    base = {"steps_taken": 3}
+    same = {"baseline": "serial", "steps_taken": 3, "optimizer_tensors_differing": 0, "optimizer_tensors": 6}
+    same["first_step_differing"] = {"responses": None, "advantages": None}
+    assert verdict(same, base) == (
+        "the same update as serial, bitwise: 6 FP32 tensors, and every step's responses, advantages"
+    )
+    parted = {
+        **same,
+        "optimizer_tensors_differing": 6,
+        "first_step_differing": {"responses": 2, "advantages": None},
+    }
+    assert (
+        verdict(parted, base)
+        == "differs from serial in 6 of 6 FP32 optimizer tensors; first in responses at step 2"
+    )
+    only_optimizer = {**same, "optimizer_tensors_differing": 1}
+    assert verdict(only_optimizer, base) == "differs from serial in 1 of 6 FP32 optimizer tensors"
+    only_steps = {**same, "first_step_differing": {"responses": None, "advantages": 3}}
+    assert verdict(only_steps, base).endswith(
+        "in 0 of 6 FP32 optimizer tensors; first in advantages at step 3"
+    )
+    assert (
+        verdict({"baseline": "serial", "steps_taken": 7}, base)
+        == "not compared with serial (7 steps against 3)"
+    )
+
+
+def test_a_deterministic_run_turns_on_torchs_deterministic_algorithms_first(monkeypatch, capsys):
     """--deterministic: torch's deterministic algorithms are on before the workload is built (cuBLAS's
     workspace setting with them), the rows record run.deterministic, and serial-again repeats serial."""
     import rollplex.bench.schedule as schedule
@@ -155,6 +197,7 @@ def test_a_deterministic_run_turns_on_torchs_deterministic_algorithms_first(monk
         torch.use_deterministic_algorithms(False)
     assert result.rows["serial-again"]["optimizer_tensors_differing"] == 0
     assert result.rows["serial-again"]["grad_norm"] == result.rows["serial"]["grad_norm"] > 0
+    assert "serial-again: the same update as serial, bitwise: " in capsys.readouterr().out
     work = schedule._Workload(_tiny(groups=1), torch.device("cpu"))
     assert work.roles(ROWS["serial"], _tiny(deterministic=True)).config.run.deterministic
 
