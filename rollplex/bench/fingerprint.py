@@ -12,6 +12,8 @@ differences that cancel in it).
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 _CHUNK = 2**24  # elements mixed at a time: a few int64 temporaries of 128 MiB each
@@ -64,15 +66,19 @@ def fingerprint(tensor: torch.Tensor) -> int:
     return int(total) & _MASK64  # one read of the device per tensor
 
 
-def step_fingerprints(scored) -> dict[str, int]:
-    """Fingerprints of what one step computed before its update, from its ``ScoredBatch``: the sampled
-    tokens (int64 [B, R], as float32: token ids are exact there), the rollout's recorded log-probs, the
-    advantages and the reference log-probs (float32). Comparing them step by step between two runs says
-    where the runs first part: in what rollout sampled, or only in training.
+def step_fingerprints(scored, stats=(), norms=()) -> dict[str, int]:
+    """Fingerprints of what one step computed, from its ``ScoredBatch`` and, where given, its training
+    results: the sampled tokens (int64 [B, R], as float32: token ids are exact there), the rollout's
+    recorded log-probs, the advantages and the reference log-probs (float32); then the actor's forward
+    statistics (``stats``: every field of each mini-batch's ``ActorStats``, computed from the training
+    log-probs: loss, KL, clip fraction, entropy, log-prob gaps, tokens) and the gradient norms before clipping (``norms``), both as float64 bits.
+    Comparing them step by step between two runs says where the runs first part: in what rollout
+    sampled, in the training forward, or only in its backward.
 
     Returns:
-        {"responses" | "rollout_logprobs" | "advantages" | "ref_logprobs": fingerprint}; the reference's
-        left out when KL is off.
+        {"responses" | "rollout_logprobs" | "advantages" | "ref_logprobs" | "actor_forward" |
+        "gradient_norms": fingerprint}; the reference's left out when KL is off, the training keys when
+        ``stats`` or ``norms`` are empty.
     """
     rollout = scored.rollout
     parts = {
@@ -81,7 +87,12 @@ def step_fingerprints(scored) -> dict[str, int]:
         "advantages": scored.advantages,
         "ref_logprobs": scored.ref_logprobs,
     }
-    return {name: fingerprint(value.float()) for name, value in parts.items() if value is not None}
+    out = {name: fingerprint(value.float()) for name, value in parts.items() if value is not None}
+    forward = [float(v) for s in stats for v in dataclasses.astuple(s)]
+    for name, values in (("actor_forward", forward), ("gradient_norms", [float(n) for n in norms])):
+        if values:  # float64 bits as float32 pairs: every bit counts
+            out[name] = fingerprint(torch.tensor(values, dtype=torch.float64).view(torch.float32))
+    return out
 
 
 def first_difference(a: list[dict], b: list[dict]) -> dict[str, int | None]:

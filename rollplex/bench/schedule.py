@@ -44,8 +44,9 @@ largest bf16 parameter difference from the baseline after the timed steps, the r
 of the FP32 updates (``Updates``), and how many of the
 optimizer's FP32 tensors (master weights, AdamW moments) differ from the baseline's
 (``bench.fingerprint``: the bf16 weights alone can hide a different update), with the first step
-whose sampled tokens, recorded log-probs, advantages or reference log-probs differ from the
-baseline's (``first_step_differing``: in rollout, or only in training). Responses are scored by
+whose sampled tokens, recorded log-probs, advantages, reference log-probs, actor forward statistics or
+gradient norms differ from the baseline's (``first_step_differing``: in rollout, in the training
+forward, or only in its backward). Responses are scored by
 ``bench.common.distinct_reward``, so the update is not zero. A row that fails is recorded with its
 error, and the others run.
 """
@@ -201,9 +202,9 @@ def _timed_row(work: _Workload, name: str, cfg: ScheduleBenchConfig) -> tuple[di
     warmup, trail = _warmup(step, cfg), []
     for i in range(warmup + cfg.steps):
         start = timer.now()
-        scored, _, norms, extra = step(roles, work.prompts, timer)
+        scored, stats, norms, extra = step(roles, work.prompts, timer)
         end = timer.now()
-        trail.append(step_fingerprints(scored))  # after the step's clock: not timed
+        trail.append(step_fingerprints(scored, stats, norms))  # after the step's clock: not timed
         spent = {**timer.pop(), **extra, "grad_norm": _largest(norms)}
         print(f"    {name} iteration {i}: {end - start:.3f} s", flush=True)
         if i >= warmup:

@@ -3,6 +3,8 @@ apart, CPU against CUDA, and the step and optimizer fingerprints."""
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -167,3 +169,30 @@ def test_step_fingerprints_say_where_two_runs_first_part():
     assert first_difference(a, a) == dict.fromkeys(a[0])
     no_kl = [step_fingerprints(scored(2, None)), step_fingerprints(scored(3, None))]
     assert first_difference(a, no_kl) == {"responses": None, "rollout_logprobs": None, "advantages": None}
+
+
+def test_step_fingerprints_tell_the_training_forward_from_its_backward():
+    """The actor's forward statistics and the gradient norms are fingerprinted from their float64 bits:
+    a last-bit change in one norm, or in one field of one mini-batch's statistics, is seen, and only
+    in its own key."""
+    from types import SimpleNamespace
+
+    from rollplex.bench.fingerprint import first_difference, step_fingerprints
+    from rollplex.phases import ActorStats
+
+    rollout = SimpleNamespace(responses=torch.tensor([[1, 2]]), logprobs=torch.tensor([[-0.5, -1.0]]))
+    scored = SimpleNamespace(rollout=rollout, advantages=torch.tensor([0.5]), ref_logprobs=None)
+    stats = [ActorStats(loss=0.25, kl=0.01, tokens=2), ActorStats(loss=-0.5, entropy=3.0, tokens=2)]
+    norm = 1.5
+    nudged = [stats[0], ActorStats(loss=-0.5, entropy=float.__add__(3.0, 2**-51), tokens=2)]
+    base = step_fingerprints(scored, stats, [norm, 2.0])
+    assert set(base) == {"responses", "rollout_logprobs", "advantages", "actor_forward", "gradient_norms"}
+    runs = {
+        "same": step_fingerprints(scored, list(stats), [norm, 2.0]),
+        "backward": step_fingerprints(scored, stats, [norm, math.nextafter(2.0, 3.0)]),
+        "forward": step_fingerprints(scored, nudged, [norm, 2.0]),
+    }
+    assert first_difference([base], [runs["same"]]) == dict.fromkeys(base)
+    assert first_difference([base], [runs["backward"]]) == {**dict.fromkeys(base), "gradient_norms": 1}
+    assert first_difference([base], [runs["forward"]]) == {**dict.fromkeys(base), "actor_forward": 1}
+    assert set(step_fingerprints(scored)) == {"responses", "rollout_logprobs", "advantages"}
