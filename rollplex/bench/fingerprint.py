@@ -13,8 +13,13 @@ differences that cancel in it).
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from rollplex.phases import ActorStats
 
 _CHUNK = 2**24  # elements mixed at a time: a few int64 temporaries of 128 MiB each
 _MASK64 = 2**64 - 1
@@ -66,19 +71,30 @@ def fingerprint(tensor: torch.Tensor) -> int:
     return int(total) & _MASK64  # one read of the device per tensor
 
 
-def step_fingerprints(scored, stats=(), norms=()) -> dict[str, int]:
-    """Fingerprints of what one step computed, from its ``ScoredBatch`` and, where given, its training
-    results: the sampled tokens (int64 [B, R], as float32: token ids are exact there), the rollout's
-    recorded log-probs, the advantages and the reference log-probs (float32); then the actor's forward
-    statistics (``stats``: every field of each mini-batch's ``ActorStats``, computed from the training
-    log-probs: loss, KL, clip fraction, entropy, log-prob gaps, tokens) and the gradient norms before clipping (``norms``), both as float64 bits.
-    Comparing them step by step between two runs says where the runs first part: in what rollout
-    sampled, in the training forward, or only in its backward.
+def step_fingerprints(
+    scored, stats: Sequence[ActorStats] = (), norms: Sequence[float] = ()
+) -> dict[str, int]:
+    """Fingerprints of what one step computed, so that two runs compared step by step say where they
+    first part: in what rollout sampled, in the training forward, or in its backward.
+
+    Args:
+        scored: the step's ``ScoredBatch``: its sampled tokens (int64 [B, R], fingerprinted as float32,
+            where token ids are exact), the rollout's recorded log-probs and the reference log-probs
+            (float32 [B, R]) and the advantages (float32 [B]).
+        stats: one ``ActorStats`` per mini-batch (loss, KL, clip fraction, entropy, log-prob gaps,
+            tokens), fingerprinted from their float64 bits. They are sums over the training log-probs
+            reduced in float32, so a last-bit difference in one log-prob usually shows in them but can
+            vanish in the rounding.
+        norms: the gradient norms before clipping, one per mini-batch, from their float64 bits; likewise
+            a difference in one gradient can vanish in a norm's rounding.
 
     Returns:
-        {"responses" | "rollout_logprobs" | "advantages" | "ref_logprobs" | "actor_forward" |
-        "gradient_norms": fingerprint}; the reference's left out when KL is off, the training keys when
-        ``stats`` or ``norms`` are empty.
+        {"responses" | "rollout_logprobs" | "advantages" | "ref_logprobs" | "actor_statistics" |
+        "gradient_norms": fingerprint}; the reference's left out when KL is off, "actor_statistics" when
+        ``stats`` is empty and "gradient_norms" when ``norms`` is.
+
+    Raises:
+        TypeError: an element of ``stats`` is not a dataclass instance.
     """
     rollout = scored.rollout
     parts = {
@@ -88,8 +104,8 @@ def step_fingerprints(scored, stats=(), norms=()) -> dict[str, int]:
         "ref_logprobs": scored.ref_logprobs,
     }
     out = {name: fingerprint(value.float()) for name, value in parts.items() if value is not None}
-    forward = [float(v) for s in stats for v in dataclasses.astuple(s)]
-    for name, values in (("actor_forward", forward), ("gradient_norms", [float(n) for n in norms])):
+    statistics = [float(v) for s in stats for v in dataclasses.astuple(s)]
+    for name, values in (("actor_statistics", statistics), ("gradient_norms", [float(n) for n in norms])):
         if values:  # float64 bits as float32 pairs: every bit counts
             out[name] = fingerprint(torch.tensor(values, dtype=torch.float64).view(torch.float32))
     return out

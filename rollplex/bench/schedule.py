@@ -44,9 +44,11 @@ largest bf16 parameter difference from the baseline after the timed steps, the r
 of the FP32 updates (``Updates``), and how many of the
 optimizer's FP32 tensors (master weights, AdamW moments) differ from the baseline's
 (``bench.fingerprint``: the bf16 weights alone can hide a different update), with the first step
-whose sampled tokens, recorded log-probs, advantages, reference log-probs, actor forward statistics or
+whose sampled tokens, recorded log-probs, advantages, reference log-probs, actor statistics or
 gradient norms differ from the baseline's (``first_step_differing``: in rollout, in the training
-forward, or only in its backward). Responses are scored by
+forward, or in its backward; ``step_fingerprints`` says what a difference can hide in), with a verdict
+line per row (``verdict``: the same update bitwise, where it differs, or why it was not compared:
+``not_compared``) and the number of FP32 tensors compared (``optimizer_tensors``). Responses are scored by
 ``bench.common.distinct_reward``, so the update is not zero. A row that fails is recorded with its
 error, and the others run.
 """
@@ -221,10 +223,10 @@ def _timed_row(work: _Workload, name: str, cfg: ScheduleBenchConfig) -> tuple[di
     }
     if work.device.type == "cuda":
         row["peak_memory_gib"] = torch.cuda.max_memory_allocated(work.device) / 2**30
-        stats = torch.cuda.memory_stats(work.device)  # allocator churn over the row's iterations
-        row["alloc_retries"] = stats.get("num_alloc_retries", 0)
-        row["device_allocs"] = stats.get("num_device_alloc", 0)
-        row["device_frees"] = stats.get("num_device_free", 0)
+        churn = torch.cuda.memory_stats(work.device)  # allocator churn over the row's iterations
+        row["alloc_retries"] = churn.get("num_alloc_retries", 0)
+        row["device_allocs"] = churn.get("num_device_alloc", 0)
+        row["device_frees"] = churn.get("num_device_free", 0)
     fallback = compile_fallback() if compiled_scope(work.actor) is not None else None
     if fallback is not None:  # the row's layers were to run compiled and ran uncompiled
         row["compile_fallback"] = fallback
@@ -338,11 +340,15 @@ def run_schedule_bench(cfg: ScheduleBenchConfig, out: Path | None = None) -> Sch
     """Run every row of ``cfg.rows`` and print the table.
 
     Raises:
-        ValueError: an unknown row name, or a preset other than ``tiny`` without a CUDA device.
+        ValueError: an unknown or repeated row name, or a preset other than ``tiny`` without a CUDA
+            device.
     """
     unknown = set(cfg.rows) - set(ROWS)
     if unknown:
         raise ValueError(f"unknown schedule rows {sorted(unknown)}; expected some of {list(ROWS)}")
+    repeated = sorted({name for name in cfg.rows if cfg.rows.count(name) > 1})
+    if repeated:
+        raise ValueError(f"schedule rows given more than once: {repeated} (serial-again repeats serial)")
     if cfg.deterministic:
         from rollplex.loop import use_deterministic_algorithms
 
@@ -365,13 +371,14 @@ def run_schedule_bench(cfg: ScheduleBenchConfig, out: Path | None = None) -> Sch
             result.rows[name] = {"error": f"{type(err).__name__}: {err}"}
         _write(result, out)  # after every row, so a run cut short keeps what it measured
     ran: dict[str, int] = {}
-    for name, snap in snapshots.items():  # in the order the rows ran
-        row = result.rows[name]
-        if BASELINES[name] in ran:
-            row["baseline"] = BASELINES[name]
-        base = compared_with(name, row["steps_taken"], ran)
-        if base is not None:
-            _compare(row, snap, snapshots[base])
+    for name, snap in snapshots.items():  # in the order the rows ran (each once)
+        row, base = result.rows[name], BASELINES[name]
+        if base != name and base in result.rows:
+            row["baseline"] = base
+            if compared_with(name, row["steps_taken"], ran) is None:
+                row["not_compared"] = _why_not_compared(row, result.rows[base], base in ran)
+            else:
+                _compare(row, snap, snapshots[base])
         ran[name] = row["steps_taken"]
     bytes_per_step = step_bytes(
         work.actor, [p.length for p in work.prompts], cfg.group_size, cfg.response_tokens
@@ -383,9 +390,22 @@ def run_schedule_bench(cfg: ScheduleBenchConfig, out: Path | None = None) -> Sch
     return result
 
 
+def _why_not_compared(row: dict, base: dict, base_ran_before: bool) -> str:
+    """Why a row's update was not compared with its baseline row's (``base``, named in the row)."""
+    name = row["baseline"]
+    if "error" in base:
+        return f"{name} failed"
+    if not base_ran_before:
+        return f"{name} ran after it"
+    return f"{row['steps_taken']} steps against {name}'s {base['steps_taken']}"
+
+
 def _compare(row: dict, snap: _Snapshot, base: _Snapshot) -> None:
-    """The row's largest weight difference from its baseline row, and how many of the optimizer's FP32
-    tensors (master weights, AdamW moments) differ from the baseline's (0: the same update, bitwise)."""
+    """The row's largest bf16 weight difference from its baseline row (``max_abs_param_diff_vs_serial``),
+    how many of the optimizer's FP32 tensors (master weights, AdamW moments) differ from the baseline's
+    (``optimizer_tensors_differing``, 0: the same update, bitwise) out of how many
+    (``optimizer_tensors``), and per fingerprinted value the first step that differs
+    (``first_step_differing``, 1-based, None where none does)."""
     w, b = snap.weights, base.weights
     row["max_abs_param_diff_vs_serial"] = max(float((w[k].float() - b[k].float()).abs().max()) for k in w)
     row["optimizer_tensors_differing"] = differing(snap.fingerprints, base.fingerprints)
@@ -431,19 +451,19 @@ def _print(result: ScheduleBenchResult) -> None:
         print(f"{name:20} " + " ".join(f"{row.get(k, float('nan')):12.4g}" for k in keys))
     for name, row in result.rows.items():
         if "baseline" in row:
-            print(f"{name}: {verdict(row, result.rows[row['baseline']])}")
+            print(f"{name}: {verdict(row)}")
         if "auto_policy" in row:
             trials = ", ".join(f"{p} {t:.3f} s" for p, t in row["auto_trials_span_s"].items())
             print(f"{name}: median decode/prefix span per policy: {trials}; kept {row['auto_policy']}")
 
 
-def verdict(row: dict, base: dict) -> str:
-    """One line on whether a row's update was its baseline's (``base``, the baseline's row): the same
-    bitwise (every FP32 tensor of the optimizer, and every step's fingerprinted values), where it
-    differs, or why the two were not compared."""
+def verdict(row: dict) -> str:
+    """One line on whether a row's update was its baseline's (``row["baseline"]``): the same bitwise
+    (every FP32 tensor of the optimizer, and every step's fingerprinted values), where it differs, or
+    why the two were not compared (``row["not_compared"]``)."""
     name = row["baseline"]
     if "optimizer_tensors_differing" not in row:
-        return f"not compared with {name} ({row['steps_taken']} steps against {base['steps_taken']})"
+        return f"not compared with {name}: {row['not_compared']}"
     differ, total = row["optimizer_tensors_differing"], row["optimizer_tensors"]
     steps = row["first_step_differing"]  # fingerprinted value -> first step differing, or None
     parted = ", ".join(f"{key} at step {step}" for key, step in steps.items() if step is not None)

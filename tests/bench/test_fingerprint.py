@@ -186,7 +186,7 @@ def test_step_fingerprints_tell_the_training_forward_from_its_backward():
     norm = 1.5
     nudged = [stats[0], ActorStats(loss=-0.5, entropy=float.__add__(3.0, 2**-51), tokens=2)]
     base = step_fingerprints(scored, stats, [norm, 2.0])
-    assert set(base) == {"responses", "rollout_logprobs", "advantages", "actor_forward", "gradient_norms"}
+    assert set(base) == {"responses", "rollout_logprobs", "advantages", "actor_statistics", "gradient_norms"}
     runs = {
         "same": step_fingerprints(scored, list(stats), [norm, 2.0]),
         "backward": step_fingerprints(scored, stats, [norm, math.nextafter(2.0, 3.0)]),
@@ -194,5 +194,5 @@ def test_step_fingerprints_tell_the_training_forward_from_its_backward():
     }
     assert first_difference([base], [runs["same"]]) == dict.fromkeys(base)
     assert first_difference([base], [runs["backward"]]) == {**dict.fromkeys(base), "gradient_norms": 1}
-    assert first_difference([base], [runs["forward"]]) == {**dict.fromkeys(base), "actor_forward": 1}
+    assert first_difference([base], [runs["forward"]]) == {**dict.fromkeys(base), "actor_statistics": 1}
     assert set(step_fingerprints(scored)) == {"responses", "rollout_logprobs", "advantages"}

@@ -40,6 +40,8 @@ def test_rows_reach_the_same_parameters(tmp_path):
         assert (name in baselines) != (row.get("baseline") == BASELINES[name]), name
         assert row["grad_norm"] > 0, name  # a real update: the rows' agreement is not the trivial one
         assert set(row.get("first_step_differing", {}).values()) <= {None}, name
+        if "first_step_differing" in row:  # the training's values are compared too
+            assert {"actor_statistics", "gradient_norms"} <= set(row["first_step_differing"]), name
         assert row.get("update_rel_diff_vs_serial", 0.0) == 0.0, name
         assert ("update_rel_diff_vs_serial" in row) == ("optimizer_tensors_differing" in row), name
         assert row["step_s_median"] > 0 and row["eq1/T_D"] > 0
@@ -146,13 +148,41 @@ def test_a_row_is_compared_only_with_a_baseline_that_ran_before_it_with_as_many_
     )
 
 
+def test_a_row_run_before_its_baseline_or_after_a_failed_one_is_not_compared_and_says_why(
+    monkeypatch, capsys
+):
+    """Rows ``both, serial``: both's baseline is serial, which ran after it, so neither its update nor its
+    fingerprints are compared, and its verdict says so; likewise when serial fails. A row named twice is
+    refused before anything runs."""
+    import rollplex.bench.schedule as schedule
+
+    result = run_schedule_bench(_tiny(groups=1, rows=("both", "serial")))
+    both = result.rows["both"]
+    assert both["baseline"] == "serial" and both["not_compared"] == "serial ran after it"
+    assert not {"optimizer_tensors_differing", "update_rel_diff_vs_serial", "first_step_differing"} & set(
+        both
+    )
+    assert "both: not compared with serial: serial ran after it" in capsys.readouterr().out
+    real = schedule._timed_row
+
+    def timed(work, name, cfg):
+        if name == "serial":
+            raise RuntimeError("no kernel")
+        return real(work, name, cfg)
+
+    monkeypatch.setattr(schedule, "_timed_row", timed)
+    result = run_schedule_bench(_tiny(groups=1, rows=("serial", "both")))
+    assert result.rows["both"]["not_compared"] == "serial failed"
+    with pytest.raises(ValueError, match=r"more than once: \['serial'\]"):
+        run_schedule_bench(_tiny(rows=("serial", "both", "serial")))
+
+
 def test_the_verdict_says_same_bitwise_where_it_differs_or_why_not_compared():
     from rollplex.bench.schedule import verdict
 
-    base = {"steps_taken": 3}
     same = {"baseline": "serial", "steps_taken": 3, "optimizer_tensors_differing": 0, "optimizer_tensors": 6}
     same["first_step_differing"] = {"responses": None, "advantages": None}
-    assert verdict(same, base) == (
+    assert verdict(same) == (
         "the same update as serial, bitwise: 6 FP32 tensors, and every step's responses, advantages"
     )
     parted = {
@@ -161,19 +191,15 @@ def test_the_verdict_says_same_bitwise_where_it_differs_or_why_not_compared():
         "first_step_differing": {"responses": 2, "advantages": None},
     }
     assert (
-        verdict(parted, base)
+        verdict(parted)
         == "differs from serial in 6 of 6 FP32 optimizer tensors; first in responses at step 2"
     )
     only_optimizer = {**same, "optimizer_tensors_differing": 1}
-    assert verdict(only_optimizer, base) == "differs from serial in 1 of 6 FP32 optimizer tensors"
+    assert verdict(only_optimizer) == "differs from serial in 1 of 6 FP32 optimizer tensors"
     only_steps = {**same, "first_step_differing": {"responses": None, "advantages": 3}}
-    assert verdict(only_steps, base).endswith(
-        "in 0 of 6 FP32 optimizer tensors; first in advantages at step 3"
-    )
-    assert (
-        verdict({"baseline": "serial", "steps_taken": 7}, base)
-        == "not compared with serial (7 steps against 3)"
-    )
+    assert verdict(only_steps).endswith("in 0 of 6 FP32 optimizer tensors; first in advantages at step 3")
+    skipped = {"baseline": "serial", "not_compared": "7 steps against serial's 3"}
+    assert verdict(skipped) == "not compared with serial: 7 steps against serial's 3"
 
 
 def test_a_deterministic_run_turns_on_torchs_deterministic_algorithms_first(monkeypatch, capsys):
