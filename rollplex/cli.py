@@ -260,8 +260,9 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
         "--deterministic",
         action="store_true",
         default=None,
-        help="torch's deterministic algorithms for the whole run (run.deterministic): the rows' updates then "
-        "agree bitwise (measured on one H200 at the 3B shape; steps 2.4x slower)",
+        help="torch's deterministic algorithms for the whole run (run.deterministic), so that rows can be "
+        "compared bitwise (on one H200 at the 3B shape, both ended with serial's update bitwise, its steps "
+        "2.4x slower than the default kernels')",
     )
     p.add_argument(
         "--decode-attention",

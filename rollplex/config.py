@@ -78,7 +78,7 @@ class RunConfig:
     )
     deterministic: bool = _field(
         False,
-        "use deterministic torch algorithms: bitwise-repeatable updates (2.4x slower steps on one H200, 3B)",
+        "use deterministic torch algorithms: bitwise-repeatable updates (steps about 2.4x slower on one H200, 3B)",
     )
     schedule: str = _field(
         "serial",
