@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import argparse
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 PRESETS = ("tiny", "qwen2.5-vl-3b", "qwen2.5-vl-7b", "qwen2.5-vl-32b")
@@ -101,6 +101,18 @@ def _report(args: argparse.Namespace) -> None:
         print(path)
 
 
+def _at_least(minimum: int) -> Callable[[str], int]:
+    """An argparse type: an integer of at least ``minimum`` (anything else is a usage error)."""
+
+    def integer(text: str) -> int:
+        value = int(text)  # not an integer: argparse reports "invalid integer value"
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"must be at least {minimum}, got {value}")
+        return value
+
+    return integer
+
+
 def _grid(text: str) -> tuple[int, int, int]:
     parts = tuple(int(x) for x in text.split(","))
     if len(parts) != 3:
@@ -175,10 +187,10 @@ def _add_workload_arguments(p: argparse.ArgumentParser) -> None:
     from rollplex.config import COMPILE_SCOPES, VISION_ATTENTION
 
     p.add_argument("--preset", choices=PRESETS, help="model size (default qwen2.5-vl-3b)")
-    p.add_argument("--groups", type=int, help="prompt groups G (default 8)")
-    p.add_argument("--group-size", type=int, help="responses per group N (default 8)")
-    p.add_argument("--response-tokens", type=int, help="response length R (default 512)")
-    p.add_argument("--text-tokens", type=int, help="text tokens per prompt (default 400)")
+    p.add_argument("--groups", type=_at_least(1), help="prompt groups G (default 8)")
+    p.add_argument("--group-size", type=_at_least(1), help="responses per group N (default 8)")
+    p.add_argument("--response-tokens", type=_at_least(1), help="response length R (default 512)")
+    p.add_argument("--text-tokens", type=_at_least(0), help="text tokens per prompt (default 400)")
     p.add_argument("--grid", type=_grid, help="video patch grid t,h,w (default 16,20,44: 3,520 tokens)")
     p.add_argument("--dtype", choices=("bfloat16", "float32"), help="model dtype (default bfloat16)")
     p.add_argument(
@@ -215,7 +227,7 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     )
     p = bench.add_parser("prefix", help="prefix + suffix vs naive per-sequence scoring and training")
     _add_workload_arguments(p)
-    p.add_argument("--repeats", type=int, help="timed repeats after one warm-up (default 1)")
+    p.add_argument("--repeats", type=_at_least(1), help="timed repeats after one warm-up (default 1)")
     p.add_argument("--suffix-group-sizes", help="N values of the suffix-memory sweep (default 4,8,16)")
     p.add_argument(
         "--parts",
@@ -224,8 +236,10 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(handler=_bench_prefix)
     p = bench.add_parser("schedule", help="serial vs rollplex schedules on one training workload")
     _add_workload_arguments(p)
-    p.add_argument("--warmup", type=int, help="discarded warm-up iterations per schedule (default 1)")
-    p.add_argument("--steps", type=int, help="timed iterations per schedule (default 2)")
+    p.add_argument(
+        "--warmup", type=_at_least(0), help="discarded warm-up iterations per schedule (default 1)"
+    )
+    p.add_argument("--steps", type=_at_least(1), help="timed iterations per schedule (default 2)")
     p.add_argument(
         "--rows",
         help=f"comma-separated rows among {','.join(ROWS)} (default {','.join(MAIN_ROWS)})",
@@ -255,7 +269,9 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
         action=argparse.BooleanOptionalAction,
         help="decode: the gate/up product with its SiLU gate as one Triton kernel (default on)",
     )
-    p.add_argument("--auto-trials", type=int, help="auto row: trial steps per co-running policy (default 2)")
+    p.add_argument(
+        "--auto-trials", type=_at_least(1), help="auto row: trial steps per co-running policy (default 2)"
+    )
     p.add_argument(
         "--deterministic",
         action="store_true",
@@ -278,7 +294,7 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument(
         "--profile-steps",
-        type=int,
+        type=_at_least(0),
         help="profile this many decode steps (graph replay + sampling) of the last variant (CUDA; kernel table)",
     )
     p.set_defaults(handler=_bench_decode)
@@ -308,11 +324,11 @@ def _add_data(sub: argparse._SubParsersAction) -> None:
     data = sub.add_parser("data", help="dataset tools").add_subparsers(dest="data_command", required=True)
     p = data.add_parser("synth", help="write a synthetic Video-R1 dataset with MP4 media")
     p.add_argument("--out", type=Path, required=True, help="output folder (the data root)")
-    p.add_argument("--num", type=int, required=True, help="number of records")
+    p.add_argument("--num", type=_at_least(1), required=True, help="number of records")
     p.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
-    p.add_argument("--width", type=int, help="frame width in pixels (default 112)")
-    p.add_argument("--height", type=int, help="frame height in pixels (default 112)")
-    p.add_argument("--frames", type=int, help="frames per video (default 8)")
+    p.add_argument("--width", type=_at_least(1), help="frame width in pixels (default 112)")
+    p.add_argument("--height", type=_at_least(1), help="frame height in pixels (default 112)")
+    p.add_argument("--frames", type=_at_least(1), help="frames per video (default 8)")
     p.add_argument("--fps", type=float, help="video frame rate, frames per second (default 4)")
     p.add_argument(
         "--val-fraction", type=float, help="fraction of records in the held-out split (default 0.2)"

@@ -314,3 +314,21 @@ def test_the_default_jobs_preparation_is_announced_once(tmp_path, capsys):
     )
     _build_once(target, lambda out: out.mkdir())
     assert capsys.readouterr().out == "" and target.is_dir()
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["bench", "schedule", "--steps", "0"], "argument --steps: must be at least 1, got 0"),
+        (["bench", "schedule", "--warmup", "-1"], "argument --warmup: must be at least 0, got -1"),
+        (["bench", "decode", "--groups", "0"], "argument --groups: must be at least 1, got 0"),
+        (["bench", "prefix", "--repeats", "x"], "argument --repeats: invalid integer value: 'x'"),
+        (["data", "synth", "--out", "d", "--num", "0"], "argument --num: must be at least 1, got 0"),
+    ],
+)
+def test_counts_out_of_range_are_usage_errors_before_anything_runs(argv, message, capsys):
+    """A count the command cannot run with (no timed steps, no groups, no records) is refused while the
+    arguments are parsed, naming the option, instead of failing later or writing an empty result."""
+    with pytest.raises(SystemExit) as stop:
+        main(argv)
+    assert stop.value.code == 2 and message in capsys.readouterr().err

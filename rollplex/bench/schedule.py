@@ -47,10 +47,10 @@ optimizer's FP32 tensors (master weights, AdamW moments) differ from the baselin
 whose sampled tokens, recorded log-probs, advantages, reference log-probs, actor statistics or
 gradient norms differ from the baseline's (``first_step_differing``: in rollout, in the training
 forward, or in its backward; ``step_fingerprints`` says what a difference can hide in), with a verdict
-line per row (``verdict``: the same update bitwise, where it differs, or why it was not compared:
-``not_compared``) and the number of FP32 tensors compared (``optimizer_tensors``). Responses are scored by
-``bench.common.distinct_reward``, so the update is not zero. A row that fails is recorded with its
-error, and the others run.
+line per row that has a baseline (``verdict``: the same update bitwise, where it differs, or why it
+was not compared: ``not_compared``) and the number of FP32 tensors compared (``optimizer_tensors``).
+Responses are scored by ``bench.common.distinct_reward``, so the update is not zero. A row that fails is
+recorded with its error, and the others run.
 """
 
 from __future__ import annotations
