@@ -9,6 +9,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from rollplex.checkpoint import load_trainer_state
 from rollplex.loop import build_run, train
 from rollplex.models.compiled import layers_compiled
 from rollplex.observe.metrics import PhaseTimer
@@ -81,13 +82,34 @@ def untimed(row: dict) -> dict:
     return {k: v for k, v in row.items() if not k.startswith(TIMING)}
 
 
+def optimizer_tensors(run) -> list[torch.Tensor]:
+    """The optimizer's tensors in a run folder's latest checkpoint: each parameter's AdamW step count and
+    moments, then the FP32 master weights where the model is in a lower precision. The bf16 weights
+    alone can hide a different update (one bf16 step is far larger than a step at a small learning
+    rate), these cannot."""
+    latest = Path(run) / "checkpoints" / (Path(run) / "checkpoints" / "latest").read_text().strip()
+    state = load_trainer_state(latest)["optimizer"]
+    moments = state["inner"]["state"]
+    tensors = [value for index in sorted(moments) for _, value in sorted(moments[index].items())]
+    return tensors + list(state.get("masters", []))
+
+
+def assert_same_optimizer(run, other, name: str) -> None:
+    """Run folders ``run`` and ``other`` end with bitwise the same optimizer tensors (``name``: which)."""
+    mine, theirs = optimizer_tensors(run), optimizer_tensors(other)
+    assert mine and len(mine) == len(theirs), name
+    assert all(torch.equal(a, b) for a, b in zip(mine, theirs)), name
+
+
 def assert_same_update(runs: dict) -> dict[str, list[dict]]:
-    """Every run folder of ``runs`` (name -> folder) ends with the "serial" run's weights, bitwise, and
-    wrote its metrics but timings; returns those untimed metric rows per run."""
+    """Every run folder of ``runs`` (name -> folder) ends with the "serial" run's weights and optimizer
+    tensors (AdamW moments, FP32 masters), bitwise, and wrote its metrics but timings; returns those
+    untimed metric rows per run."""
     weights = {name: _weights(run) for name, run in runs.items()}
     metrics = {name: [untimed(r) for r in _metrics(run)] for name, run in runs.items()}
     for name in runs:
         assert all(torch.equal(weights["serial"][k], weights[name][k]) for k in weights["serial"]), name
+        assert_same_optimizer(runs["serial"], runs[name], name)
         assert metrics["serial"] == metrics[name], name
     return metrics
 
@@ -146,7 +168,7 @@ def _check_barriers(events, order):
 def test_overlap_gives_identical_parameters_on_gpu(assets, tmp_path):  # noqa: F811
     """On CUDA (bf16) the overlapped schedule runs the serial schedule's kernels on other streams, also
     with the reference prefix confined to 16 SMs (a green context, with prefill fusion): bitwise the
-    same weights after 3 steps. The models run their layers compiled (``model.compile_layers``, the
+    same weights, AdamW moments and FP32 master weights after 3 steps. The models run their layers compiled (``model.compile_layers``, the
     CUDA default), so compiled layers called from the Phase-1 worker thread are covered too. Responses
     are scored by ``distinct_reward``, and the weights must have moved: with a zero update (every
     response scored 0, the actor equal to the reference) the comparison would hold trivially."""
@@ -164,6 +186,7 @@ def test_overlap_gives_identical_parameters_on_gpu(assets, tmp_path):  # noqa: F
     for name in ("rollplex", "green"):
         other = _weights(runs[name])
         assert all(torch.equal(serial[k], other[k]) for k in serial), name
+        assert_same_optimizer(runs["serial"], runs[name], name)  # the FP32 masters too
     if green_capable():  # the calibration step runs its prefixes after decode; the others on 16 SMs
         assert [m["schedule/prefix_sms"] for m in step_rows(runs["green"])] == [0.0, 16.0, 16.0]
 

@@ -19,6 +19,7 @@ from tests.schedule.test_same_update import (
     SCHEDULES,
     _check_barriers,
     assert_moved,
+    assert_same_optimizer,
     assert_same_update,
     second_step_events,
     untimed,
@@ -201,10 +202,12 @@ def test_resume_is_bit_for_bit(assets, tmp_path, varied_accuracy):  # noqa: F811
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_overlap_gives_identical_parameters_on_gpu(assets, tmp_path, varied_accuracy):  # noqa: F811
     """On CUDA (bf16, captured decode steps) the shuffled-frame rollout is a second rollout of the step with
-    its own group size: the overlapped rollplex schedule still ends with serial's weights, bitwise."""
+    its own group size: the overlapped rollplex schedule still ends with serial's weights, AdamW moments
+    and FP32 masters, bitwise."""
     runs = {}
     for name in ("serial", "rollplex"):
         extra = {**TEMPORAL, "run.device": "cuda", **SCHEDULES[name]}
         runs[name] = train(_config(assets, tmp_path / name, 3, **extra))
     serial, rollplex = assert_moved(runs["serial"], assets[0]), _weights(runs["rollplex"])
     assert all(torch.equal(serial[k], rollplex[k]) for k in serial)  # peak memory differs, so no metrics
+    assert_same_optimizer(runs["serial"], runs["rollplex"], "rollplex")  # the FP32 masters too
