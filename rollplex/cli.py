@@ -114,10 +114,29 @@ def _at_least(minimum: int) -> Callable[[str], int]:
 
 
 def _grid(text: str) -> tuple[int, int, int]:
-    parts = tuple(int(x) for x in text.split(","))
-    if len(parts) != 3:
-        raise argparse.ArgumentTypeError("expected t,h,w (patch grid of the video)")
+    """An argparse type: a video patch grid t,h,w, each at least 1, h and w even (2×2 patches merge)."""
+    try:
+        parts = tuple(int(x) for x in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected t,h,w integers (patch grid of the video), got {text!r}"
+        ) from None
+    if len(parts) != 3 or min(parts) < 1 or parts[1] % 2 or parts[2] % 2:
+        raise argparse.ArgumentTypeError(
+            f"expected t,h,w (patch grid of the video), each at least 1, h and w even, got {text!r}"
+        )
     return parts
+
+
+def _counts(text: str) -> tuple[int, ...]:
+    """An argparse type: comma-separated integers, each at least 1."""
+    try:
+        values = tuple(int(x) for x in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+    if min(values) < 1:
+        raise argparse.ArgumentTypeError(f"each value must be at least 1, got {text!r}")
+    return values
 
 
 WORKLOAD_FIELDS = (
@@ -145,7 +164,7 @@ def _bench_prefix(args: argparse.Namespace) -> None:
 
     options = _options(args, (*WORKLOAD_FIELDS, "repeats"))
     if args.suffix_group_sizes is not None:
-        options["suffix_group_sizes"] = tuple(int(x) for x in args.suffix_group_sizes.split(","))
+        options["suffix_group_sizes"] = args.suffix_group_sizes
     if args.parts is not None:
         options["parts"] = tuple(part.strip() for part in args.parts.split(","))
     run_prefix_bench(PrefixBenchConfig(**options), args.out)
@@ -183,14 +202,21 @@ def _bench_decode(args: argparse.Namespace) -> None:
     run_decode_bench(DecodeBenchConfig(**options), args.out)
 
 
-def _add_workload_arguments(p: argparse.ArgumentParser) -> None:
+def _add_workload_arguments(
+    p: argparse.ArgumentParser, group_size: int = 1, response_tokens: int = 1
+) -> None:
+    """The workload options every benchmark shares; ``group_size`` and ``response_tokens`` are the
+    smallest N and R the benchmark runs with (GRPO needs two responses per group; decode, two tokens)."""
     from rollplex.config import COMPILE_SCOPES, VISION_ATTENTION
 
     p.add_argument("--preset", choices=PRESETS, help="model size (default qwen2.5-vl-3b)")
     p.add_argument("--groups", type=_at_least(1), help="prompt groups G (default 8)")
-    p.add_argument("--group-size", type=_at_least(1), help="responses per group N (default 8)")
-    p.add_argument("--response-tokens", type=_at_least(1), help="response length R (default 512)")
-    p.add_argument("--text-tokens", type=_at_least(0), help="text tokens per prompt (default 400)")
+    p.add_argument("--group-size", type=_at_least(group_size), help="responses per group N (default 8)")
+    p.add_argument(
+        "--response-tokens", type=_at_least(response_tokens), help="response length R (default 512)"
+    )
+    # a synthetic prompt puts a third of its text before the video, less its opening token
+    p.add_argument("--text-tokens", type=_at_least(3), help="text tokens per prompt (default 400)")
     p.add_argument("--grid", type=_grid, help="video patch grid t,h,w (default 16,20,44: 3,520 tokens)")
     p.add_argument("--dtype", choices=("bfloat16", "float32"), help="model dtype (default bfloat16)")
     p.add_argument(
@@ -228,14 +254,16 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     p = bench.add_parser("prefix", help="prefix + suffix vs naive per-sequence scoring and training")
     _add_workload_arguments(p)
     p.add_argument("--repeats", type=_at_least(1), help="timed repeats after one warm-up (default 1)")
-    p.add_argument("--suffix-group-sizes", help="N values of the suffix-memory sweep (default 4,8,16)")
+    p.add_argument(
+        "--suffix-group-sizes", type=_counts, help="N values of the suffix-memory sweep (default 4,8,16)"
+    )
     p.add_argument(
         "--parts",
         help="comma-separated subset of compare,suffix-memory,vision (default compare,suffix-memory)",
     )
     p.set_defaults(handler=_bench_prefix)
     p = bench.add_parser("schedule", help="serial vs rollplex schedules on one training workload")
-    _add_workload_arguments(p)
+    _add_workload_arguments(p, group_size=2)
     p.add_argument(
         "--warmup", type=_at_least(0), help="discarded warm-up iterations per schedule (default 1)"
     )
@@ -287,7 +315,7 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     )
     p.set_defaults(handler=_bench_schedule)
     p = bench.add_parser("decode", help="the decode step against its memory roofline")
-    _add_workload_arguments(p)
+    _add_workload_arguments(p, response_tokens=2)
     p.add_argument(
         "--variants",
         help=f"comma-separated subset of {','.join(DECODE_VARIANTS)} (default all but the +autotune one)",
@@ -324,11 +352,11 @@ def _add_data(sub: argparse._SubParsersAction) -> None:
     data = sub.add_parser("data", help="dataset tools").add_subparsers(dest="data_command", required=True)
     p = data.add_parser("synth", help="write a synthetic Video-R1 dataset with MP4 media")
     p.add_argument("--out", type=Path, required=True, help="output folder (the data root)")
-    p.add_argument("--num", type=_at_least(1), required=True, help="number of records")
+    p.add_argument("--num", type=int, required=True, help="number of records")
     p.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
-    p.add_argument("--width", type=_at_least(1), help="frame width in pixels (default 112)")
-    p.add_argument("--height", type=_at_least(1), help="frame height in pixels (default 112)")
-    p.add_argument("--frames", type=_at_least(1), help="frames per video (default 8)")
+    p.add_argument("--width", type=int, help="frame width in pixels (default 112)")
+    p.add_argument("--height", type=int, help="frame height in pixels (default 112)")
+    p.add_argument("--frames", type=int, help="frames per video (default 8)")
     p.add_argument("--fps", type=float, help="video frame rate, frames per second (default 4)")
     p.add_argument(
         "--val-fraction", type=float, help="fraction of records in the held-out split (default 0.2)"

@@ -323,12 +323,34 @@ def test_the_default_jobs_preparation_is_announced_once(tmp_path, capsys):
         (["bench", "schedule", "--warmup", "-1"], "argument --warmup: must be at least 0, got -1"),
         (["bench", "decode", "--groups", "0"], "argument --groups: must be at least 1, got 0"),
         (["bench", "prefix", "--repeats", "x"], "argument --repeats: invalid integer value: 'x'"),
-        (["data", "synth", "--out", "d", "--num", "0"], "argument --num: must be at least 1, got 0"),
+        (["bench", "schedule", "--group-size", "1"], "argument --group-size: must be at least 2, got 1"),
+        (
+            ["bench", "decode", "--response-tokens", "1"],
+            "argument --response-tokens: must be at least 2, got 1",
+        ),
+        (["bench", "prefix", "--text-tokens", "2"], "argument --text-tokens: must be at least 3, got 2"),
+        (["bench", "prefix", "--suffix-group-sizes", "4,0"], "each value must be at least 1, got '4,0'"),
+        (["bench", "schedule", "--grid", "2,3,4"], "h and w even, got '2,3,4'"),
+        (["bench", "schedule", "--grid=0,4,4"], "each at least 1, h and w even, got '0,4,4'"),
+        (
+            ["bench", "decode", "--grid", "2,x,4"],
+            "expected t,h,w integers (patch grid of the video), got '2,x,4'",
+        ),
     ],
 )
 def test_counts_out_of_range_are_usage_errors_before_anything_runs(argv, message, capsys):
-    """A count the command cannot run with (no timed steps, no groups, no records) is refused while the
-    arguments are parsed, naming the option, instead of failing later or writing an empty result."""
+    """A count the command cannot run with (no timed steps, no groups, one response per GRPO group, no
+    decode step, a patch grid the vision tower cannot merge) is refused while the arguments are parsed,
+    naming the option, instead of failing later or writing an empty result."""
     with pytest.raises(SystemExit) as stop:
         main(argv)
     assert stop.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_a_decode_profile_without_cuda_is_refused_before_anything_runs(monkeypatch, capsys):
+    import rollplex.bench.decode as decode
+
+    monkeypatch.setattr(decode.torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(decode, "decode_workload", lambda cfg: pytest.fail("the workload was built"))
+    assert main(["bench", "decode", "--preset", "tiny", "--profile-steps", "4"]) == 2
+    assert "profiles CUDA kernels: it needs a CUDA device" in capsys.readouterr().err

@@ -107,11 +107,14 @@ def run_decode_bench(cfg: DecodeBenchConfig, out: Path | None = None) -> DecodeB
     """Decode the workload's responses under each variant and print the roofline table.
 
     Raises:
-        ValueError: an unknown variant, or a preset other than ``tiny`` without a CUDA device.
+        ValueError: an unknown variant, a preset other than ``tiny`` without a CUDA device, or
+            ``profile_steps`` without one (the profile times CUDA kernels).
     """
     unknown = set(cfg.variants) - set(VARIANTS)
     if unknown:
         raise ValueError(f"unknown decode variants {sorted(unknown)}; expected some of {list(VARIANTS)}")
+    if cfg.profile_steps and not torch.cuda.is_available():
+        raise ValueError("profile_steps (--profile-steps) profiles CUDA kernels: it needs a CUDA device")
     model, prompts, prefix, banned = decode_workload(cfg)
     device, shape = prefix.keys[0].device, PromptShape(cfg.text_tokens, cfg.grid)
     result = DecodeBenchResult(config=asdict(cfg), copy_bandwidth_gbps=copy_bandwidth(device))

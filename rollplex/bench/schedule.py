@@ -466,7 +466,9 @@ def verdict(row: dict) -> str:
         return f"not compared with {name}: {row['not_compared']}"
     differ, total = row["optimizer_tensors_differing"], row["optimizer_tensors"]
     steps = row["first_step_differing"]  # fingerprinted value -> first step differing, or None
-    parted = ", ".join(f"{key} at step {step}" for key, step in steps.items() if step is not None)
+    parted = ", ".join(  # earliest first
+        f"{key} at step {step}" for key, step in sorted(steps.items(), key=lambda kv: kv[1] or 0) if step
+    )
     if differ == 0 and not parted:
         return (
             f"the same update as {name}, bitwise: {total} FP32 tensors, and every step's {', '.join(steps)}"

@@ -194,6 +194,8 @@ def test_the_verdict_says_same_bitwise_where_it_differs_or_why_not_compared():
         verdict(parted)
         == "differs from serial in 6 of 6 FP32 optimizer tensors; first in responses at step 2"
     )
+    later_first = {**parted, "first_step_differing": {"responses": 3, "advantages": 2}}
+    assert verdict(later_first).endswith("; first in advantages at step 2, responses at step 3")
     only_optimizer = {**same, "optimizer_tensors_differing": 1}
     assert verdict(only_optimizer) == "differs from serial in 1 of 6 FP32 optimizer tensors"
     only_steps = {**same, "first_step_differing": {"responses": None, "advantages": 3}}

@@ -48,6 +48,20 @@ def green_capable() -> bool:
     return hasattr(GreenContext, "Stream")
 
 
+def test_schedules_give_identical_fp32_masters_with_a_bf16_model(assets, tmp_path):  # noqa: F811
+    """With the model in bf16 on the CPU the optimizer keeps FP32 master weights: rollplex with prefill
+    fusion ends with serial's masters and moments bitwise, and the masters are really compared (one per
+    weight in the checkpoint, whose weights moved)."""
+    runs = {}
+    for name in ("serial", "fused"):
+        overrides = {"algo.kl_coef": 0.05, "eval.every": 0, "run.device": "cpu", "run.dtype": "bfloat16"}
+        overrides["reward.functions"] = "[rollplex.bench.common:distinct_reward]"  # a nonzero update
+        runs[name] = train(_config(assets, tmp_path / name, 2, **overrides, **SCHEDULES[name]))
+    masters = [key for key in optimizer_tensors(runs["serial"]) if key[1] == "master"]
+    assert masters and len(masters) == len(assert_moved(runs["serial"], assets[0]))
+    assert_same_update(runs)
+
+
 def test_schedules_give_identical_parameters(assets, tmp_path):  # noqa: F811
     """3 steps with KL on and 4-token responses (the suffix path runs): weights and every metric except
     timings are bitwise equal across serial, rollplex with and without the worker thread, with and
@@ -82,23 +96,28 @@ def untimed(row: dict) -> dict:
     return {k: v for k, v in row.items() if not k.startswith(TIMING)}
 
 
-def optimizer_tensors(run) -> list[torch.Tensor]:
-    """The optimizer's tensors in a run folder's latest checkpoint: each parameter's AdamW step count and
-    moments, then the FP32 master weights where the model is in a lower precision. The bf16 weights
-    alone can hide a different update (one bf16 step is far larger than a step at a small learning
-    rate), these cannot."""
+def optimizer_tensors(run) -> dict[tuple, torch.Tensor]:
+    """The optimizer's tensors in a run folder's latest checkpoint, by (parameter index, name): each
+    parameter's AdamW step count and moments, and its FP32 master weight where the model is in a lower
+    precision. The weights alone can hide a different update (a bf16 step is far larger than the
+    update's difference, and AdamW's normalised step hides a gradient's), these cannot."""
     latest = Path(run) / "checkpoints" / (Path(run) / "checkpoints" / "latest").read_text().strip()
     state = load_trainer_state(latest)["optimizer"]
-    moments = state["inner"]["state"]
-    tensors = [value for index in sorted(moments) for _, value in sorted(moments[index].items())]
-    return tensors + list(state.get("masters", []))
+    tensors = {
+        (index, name): value
+        for index, moments in state["inner"]["state"].items()
+        for name, value in moments.items()
+    }
+    tensors.update({(index, "master"): master for index, master in enumerate(state.get("masters", []))})
+    return tensors
 
 
 def assert_same_optimizer(run, other, name: str) -> None:
     """Run folders ``run`` and ``other`` end with bitwise the same optimizer tensors (``name``: which)."""
     mine, theirs = optimizer_tensors(run), optimizer_tensors(other)
-    assert mine and len(mine) == len(theirs), name
-    assert all(torch.equal(a, b) for a, b in zip(mine, theirs)), name
+    assert mine and mine.keys() == theirs.keys(), name
+    differing = [key for key in mine if not torch.equal(mine[key], theirs[key])]
+    assert not differing, f"{name}: {len(differing)} optimizer tensors differ, first {differing[0]}"
 
 
 def assert_same_update(runs: dict) -> dict[str, list[dict]]:
