@@ -278,10 +278,10 @@ def _after(event: dict, step: int | None) -> bool:
 def write_chrome_trace(
     spans: list[Span], path: Path, base: dict | None = None, resume_step: int | None = None
 ) -> None:
-    """Write ``chrome_trace(spans, base, resume_step)`` as JSON to ``path``, through a temporary sibling replaced onto
-    it, so a write interrupted by the process's end leaves the previous trace in place (the file is not
-    synced to disk: a machine's crash may still leave it empty, and ``read_chrome_trace`` then starts a
-    new one)."""
+    """Write ``chrome_trace(spans, base, resume_step)`` as JSON to ``path``, through a temporary sibling
+    replaced onto it, so a write interrupted by the process's end leaves the previous trace in place
+    (the file is not synced to disk: a machine's crash may still leave it empty, and
+    ``read_chrome_trace`` then starts a new one)."""
     path = Path(path)
     tmp = path.with_name(f".{path.name}.tmp")
     tmp.write_text(json.dumps(chrome_trace(spans, base, resume_step)))

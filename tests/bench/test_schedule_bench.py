@@ -116,19 +116,25 @@ def test_updates_are_compared_with_the_baselines_as_a_relative_l2_difference():
     assert set(updates.kept) == {"serial"}
 
 
-def test_a_failing_row_is_recorded_and_the_others_run(monkeypatch):
-    """A row that raises (here the flex row, as a kernel that does not compile would) is recorded with
-    its error, its environment is restored, and the next row runs and is compared."""
+def _fail_row(monkeypatch, failing: str, message: str) -> None:
+    """Make row ``failing`` raise RuntimeError(``message``) as it starts, as a kernel that does not
+    compile would; the other rows run as they do."""
     import rollplex.bench.schedule as schedule
 
     real = schedule._timed_row
 
     def timed(work, name, cfg):
-        if name == "serial-flex":
-            raise RuntimeError("NoValidChoicesError")
+        if name == failing:
+            raise RuntimeError(message)
         return real(work, name, cfg)
 
     monkeypatch.setattr(schedule, "_timed_row", timed)
+
+
+def test_a_failing_row_is_recorded_and_the_others_run(monkeypatch):
+    """A row that raises (here the flex row, as a kernel that does not compile would) is recorded with
+    its error, its environment is restored, and the next row runs and is compared."""
+    _fail_row(monkeypatch, "serial-flex", "NoValidChoicesError")
     monkeypatch.delenv("ROLLPLEX_SUFFIX_ATTENTION", raising=False)
     result = run_schedule_bench(_tiny(groups=1, rows=("serial", "serial-flex", "serial-again")))
     assert result.rows["serial-flex"] == {"error": "RuntimeError: NoValidChoicesError"}
@@ -154,8 +160,6 @@ def test_a_row_run_before_its_baseline_or_after_a_failed_one_is_not_compared_and
     """Rows ``both, serial``: both's baseline is serial, which ran after it, so neither its update nor its
     fingerprints are compared, and its verdict says so; likewise when serial fails. A row named twice is
     refused before anything runs."""
-    import rollplex.bench.schedule as schedule
-
     result = run_schedule_bench(_tiny(groups=1, rows=("both", "serial")))
     both = result.rows["both"]
     assert both["baseline"] == "serial" and both["not_compared"] == "serial ran after it"
@@ -163,14 +167,7 @@ def test_a_row_run_before_its_baseline_or_after_a_failed_one_is_not_compared_and
         both
     )
     assert "both: not compared with serial: serial ran after it" in capsys.readouterr().out
-    real = schedule._timed_row
-
-    def timed(work, name, cfg):
-        if name == "serial":
-            raise RuntimeError("no kernel")
-        return real(work, name, cfg)
-
-    monkeypatch.setattr(schedule, "_timed_row", timed)
+    _fail_row(monkeypatch, "serial", "no kernel")
     result = run_schedule_bench(_tiny(groups=1, rows=("serial", "both")))
     assert result.rows["both"]["not_compared"] == "serial failed"
     with pytest.raises(ValueError, match=r"more than once: \['serial'\]"):

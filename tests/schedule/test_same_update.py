@@ -187,8 +187,9 @@ def _check_barriers(events, order):
 def test_overlap_gives_identical_parameters_on_gpu(assets, tmp_path):  # noqa: F811
     """On CUDA (bf16) the overlapped schedule runs the serial schedule's kernels on other streams, also
     with the reference prefix confined to 16 SMs (a green context, with prefill fusion): bitwise the
-    same weights, AdamW moments and FP32 master weights after 3 steps. The models run their layers compiled (``model.compile_layers``, the
-    CUDA default), so compiled layers called from the Phase-1 worker thread are covered too. Responses
+    same weights, AdamW moments and FP32 master weights after 3 steps. The models run their layers
+    compiled (``model.compile_layers``, the CUDA default), so compiled layers called from the Phase-1
+    worker thread are covered too. Responses
     are scored by ``distinct_reward``, and the weights must have moved: with a zero update (every
     response scored 0, the actor equal to the reference) the comparison would hold trivially."""
     cuda_run = build_run(
