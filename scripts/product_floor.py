@@ -2,10 +2,13 @@
 
 ``blas``: cuBLAS against cuBLASLt at 64 rows (36 layers' weights; whether cuBLASLt's result is bitwise
 cuBLAS's), and the graph's floor: an empty kernel and a tiny elementwise one.
+``splitk``: each product at 64 rows as S batched cuBLAS products over S slices of K with float32
+outputs (``torch.bmm(..., out_dtype=torch.float32)`` on strided views, no weight copy), alone and with
+the sum over S that a following elementwise kernel would fold in; against ``F.linear``.
 ``rows``: cuBLAS at 8..128 rows, "cold" (36 layers' weights, read from memory) and "hot" (one weight 36
 times, L2-resident): how much of a product's time is its bytes.
 
-Usage (CUDA): python scripts/product_floor.py [--what blas,rows] [--out floor.json]
+Usage (CUDA): python scripts/product_floor.py [--what blas,rows,splitk] [--out floor.json]
 """
 
 from __future__ import annotations
@@ -54,17 +57,45 @@ def blas() -> dict:
     return res
 
 
+def _products_but_gate_up():
+    """(name, K, 36 layers' weights) of every product but gate/up."""
+    for name, (n, k) in SHAPES.items():
+        if name != "gate_up":
+            yield name, k, _weights(n, k)
+
+
 def rows() -> dict:
     res = {}
-    for name, (n, k) in SHAPES.items():
-        if name == "gate_up":
-            continue
-        ws = _weights(n, k)
+    for name, k, ws in _products_but_gate_up():
         for m in (8, 16, 32, 64, 128):
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
             cold = timed(lambda x=x, ws=ws: [F.linear(x, w) for w in ws])
             hot = timed(lambda x=x, ws=ws: [F.linear(x, ws[0]) for _ in ws])
             res[f"{name}/M{m}"] = {"cold_us": cold, "hot_us": hot}
+    return res
+
+
+def _split_views(x: torch.Tensor, w: torch.Tensor, s: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] and w [N, K] as [S, M, K/S] and [S, K/S, N] views (no copy)."""
+    m, k = x.shape
+    return x.view(m, s, k // s).transpose(0, 1), w.view(w.shape[0], s, k // s).permute(1, 2, 0)
+
+
+def splitk() -> dict:
+    res = {}
+    for name, k, ws in _products_but_gate_up():
+        x = torch.randn(64, k, device="cuda", dtype=torch.bfloat16)
+        res[f"{name}/linear"] = timed(lambda x=x, ws=ws: [F.linear(x, w) for w in ws])
+        ref = F.linear(x.double(), ws[0].double())
+        for s in (1, 2, 4, 8) if name == "down" else (1, 2, 4):
+            pairs = [_split_views(x, w, s) for w in ws]
+            bmm = lambda pairs=pairs: [torch.bmm(a, b, out_dtype=torch.float32) for a, b in pairs]  # noqa: E731
+            summed = lambda pairs=pairs: [  # noqa: E731
+                torch.bmm(a, b, out_dtype=torch.float32).sum(0) for a, b in pairs
+            ]
+            err = (torch.bmm(*pairs[0], out_dtype=torch.float32).sum(0).double() - ref).abs().max().item()
+            res[f"{name}/S{s}"] = {"bmm_us": timed(bmm), "with_sum_us": timed(summed), "max_err": err}
+        res[f"{name}/linear_err"] = (F.linear(x, ws[0]).double() - ref).abs().max().item()
     return res
 
 
@@ -77,7 +108,7 @@ def main() -> None:
     torch.manual_seed(0)
     res = {"gpu": torch.cuda.get_device_name()}
     for what in args.what.split(","):
-        res[what] = {"blas": blas, "rows": rows}[what]()
+        res[what] = {"blas": blas, "rows": rows, "splitk": splitk}[what]()
         for key, value in res[what].items():
             print(f"{what} {key}: {value}", flush=True)
     if args.out:

@@ -71,6 +71,8 @@ def _suite(*args: str):
 def test_gpu_suite_help_and_a_bad_stage_stop_before_anything_runs(tmp_path):
     shown = _suite("--help")
     assert shown.returncode == 0 and shown.stdout.startswith("GPU tests and benchmarks in one call.")
+    assert "TESTS picks the test paths" in shown.stdout  # the whole usage comment, to its last line:
+    assert shown.stdout.rstrip().endswith("(activate the environment that has torch first).")
     bad = _suite("tests", "tset")
     assert bad.returncode == 2 and "unknown stage 'tset'" in bad.stderr
 
