@@ -50,6 +50,7 @@ def test_without_a_gpu_each_stops_with_one_line(script, monkeypatch, capsys):
     ("script", "args"),
     [
         ("decode_settings.py", ["bogus"]),
+        ("backward_repeat.py", ["default", "nondeterministic"]),
         ("overlap_probe.py", ["serial"]),
         ("host_lag.py", ["out", "--row", "both"]),
     ],
