@@ -2,20 +2,26 @@
 torch's deterministic algorithms cost there, on the ``rollplex bench schedule`` workload (3B
 architecture, 8 groups of 3,920-token video prompts, N = 8, 512-token responses, serial row).
 
-One rollout, rewards and reference log-probs; then the same ``phases.actor_backward`` over all groups,
-from zeroed gradients, several times per setting:
+One rollout, rewards and reference log-probs; then the same ``phases.actor_backward`` (forward and
+backward) over all groups, from zeroed gradients, for each setting in the order given, in one process:
 
 - ``default``: the default kernels;
 - ``deterministic``: ``torch.use_deterministic_algorithms(True)`` with new allocations left unfilled
   (``torch.utils.deterministic.fill_uninitialized_memory = False``);
-- ``deterministic+fill``: the same with new allocations filled (torch's default in that mode, as
-  ``run.deterministic`` runs).
+- ``deterministic+fill``: the same with new allocations filled (torch's default in that mode, and
+  ``run.deterministic``'s).
 
-Each repeat's gradients (bf16, the model's dtype) are compared with the setting's first repeat,
-parameter by parameter: bitwise equal or not, and the relative L2 difference. Parameters are listed in
-backward order (the LM head and the last layer first) so the first one differing shows where the
-difference enters. The first repeat after a setting changes includes recompilation (dynamo guards on the
-deterministic flag); the times to compare are the later repeats'.
+Where a deterministic setting is asked for, ``CUBLAS_WORKSPACE_CONFIG`` is set before the first matrix
+product, as ``run.deterministic`` sets it, and so for every setting of the process. Each setting first
+runs one pass that is discarded (it compiles: dynamo guards on the deterministic flag), then
+``--repeats`` kept passes; each kept pass's gradients (bf16, the model's dtype) are compared with the
+first kept pass's, parameter by parameter: bitwise equal or not, and the relative L2 difference.
+Equal means equal after the rounding to bf16, so a listed parameter is the first *visible* difference.
+Parameters are listed in backward order, the first 8 that differ: the LM head and final norm, then the
+layers from the last, each from its MLP (down, gate/up, post-attention norm) through o and q/k/v to its
+input norm, then the vision tower from its merger and last block, then the embeddings. A varying kernel
+on a layer's input-gradient path shows first in the parameters of the layer below.
+``ROLLPLEX_SUFFIX_ATTENTION`` picks the suffix attention as in training (recorded in the JSON).
 
 Usage (CUDA): python scripts/backward_repeat.py [SETTING ...] [--repeats 3] [--out repeat.json]
 """
@@ -24,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 import time
 
@@ -32,9 +39,12 @@ import torch
 from rollplex.bench.common import cuda_script_args, one_of
 from rollplex.bench.schedule import default_row
 from rollplex.loop import use_deterministic_algorithms
+from rollplex.models.forward import suffix_backend
 from rollplex.phases import actor_backward, reference_phase, reward_phase, rollout_phase
 
 SETTINGS = ("default", "deterministic", "deterministic+fill")
+LISTED = 8  # differing parameters listed per repeat
+_LAYER_PARTS = ("mlp.down", "mlp.", "post_attention", "o_proj", "_proj", "input_layernorm")
 
 
 def _set(setting: str) -> None:
@@ -57,17 +67,20 @@ def _backward(roles, scored, groups) -> tuple[float, dict[str, torch.Tensor]]:
 
 
 def _backward_order(name: str) -> tuple:
-    """Sort key: LM head and final norm first, then layers from the last, each from its MLP to its input
-    norm, then the embeddings and the vision tower."""
+    """Sort key of a parameter name in the order the backward pass reaches it (see the module
+    docstring); names within one step of that order (q, k, v) sort by name."""
     layer = re.search(r"language_model\.layers\.(\d+)\.(.*)", name)
-    if layer is None:
-        head = "lm_head" in name or name.endswith("language_model.norm.weight")
-        return (0 if head else 2, 0, name)
-    part = layer.group(2)
-    within = next(
-        (i for i, key in enumerate(("mlp.down", "mlp.", "post_attention", "o_proj")) if key in part), 4
-    )
-    return (1, -int(layer.group(1)), within, part)
+    if layer is not None:
+        part = next((i for i, key in enumerate(_LAYER_PARTS) if key in layer.group(2)), len(_LAYER_PARTS))
+        return (1, -int(layer.group(1)), part, name)
+    block = re.search(r"visual\.blocks\.(\d+)\.", name)
+    if block is not None:
+        return (3, -int(block.group(1)), name)
+    if "lm_head" in name or name.endswith("language_model.norm.weight"):
+        return (0, 0, name)
+    if "visual.merger" in name:
+        return (2, 0, name)
+    return (4, 0, name)  # embeddings, the vision patch embedding
 
 
 def _compare(first: dict[str, torch.Tensor], again: dict[str, torch.Tensor]) -> dict:
@@ -81,9 +94,22 @@ def _compare(first: dict[str, torch.Tensor], again: dict[str, torch.Tensor]) -> 
     return {
         "parameters": len(names),
         "differing": len(differing),
-        "first_in_backward_order": differing[:8],
+        "first_in_backward_order": differing[:LISTED],
         "largest_rel_diff": max((d["rel_diff"] for d in differing), default=0.0),
     }
+
+
+def _setting(roles, scored, groups, repeats: int) -> dict:
+    """One setting's discarded pass and kept passes, each kept pass compared with the first kept."""
+    warmup, _ = _backward(roles, scored, groups)
+    seconds, grads = _backward(roles, scored, groups)
+    first = {n: g.clone() for n, g in grads.items()}
+    times, compared = [seconds], []
+    for _ in range(repeats - 1):
+        seconds, grads = _backward(roles, scored, groups)
+        times.append(seconds)
+        compared.append(_compare(first, grads))
+    return {"warmup_seconds": warmup, "seconds": times, "repeats": compared}
 
 
 def main() -> None:
@@ -96,28 +122,32 @@ def main() -> None:
 
     args = cuda_script_args(__doc__, arguments)
     settings = args.settings or list(SETTINGS)
+    if any(s != "default" for s in settings):
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # before cuBLAS's first handle
     work, roles, _ = default_row("serial", torch.device("cuda"))
     cfg = roles.config
     rollout = rollout_phase(roles, work.prompts, cfg.rollout.group_size, roles.sampling)
     scored = reference_phase(roles, reward_phase(roles, rollout))
     groups = list(range(len(work.prompts)))
-    results = {"gpu": torch.cuda.get_device_name(), "settings": {}}
+    results = {
+        "gpu": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "suffix_attention": suffix_backend(torch.device("cuda")),
+        "settings": {},
+    }
     for setting in settings:
         _set(setting)
-        seconds, grads = _backward(roles, scored, groups)
-        first = {n: g.clone() for n, g in grads.items()}
-        times, repeats = [seconds], []
-        for _ in range(args.repeats - 1):
-            seconds, grads = _backward(roles, scored, groups)
-            times.append(seconds)
-            repeats.append(_compare(first, grads))
-        results["settings"][setting] = {"seconds": times, "repeats": repeats}
-        print(setting, "seconds", [round(t, 3) for t in times], flush=True)
-        for i, rep in enumerate(repeats, 2):
-            print(f"  repeat {i}: {rep['differing']} of {rep['parameters']} gradients differ", flush=True)
+        result = results["settings"][setting] = _setting(roles, scored, groups, args.repeats)
+        print(
+            f"{setting}: discarded pass {result['warmup_seconds']:.3f} s, kept",
+            [round(t, 3) for t in result["seconds"]],
+            "s",
+            flush=True,
+        )
+        for i, rep in enumerate(result["repeats"], 2):
+            print(f"  kept pass {i}: {rep['differing']} of {rep['parameters']} gradients differ", flush=True)
             for d in rep["first_in_backward_order"]:
                 print(f"    {d['name']}: rel diff {d['rel_diff']:.3e}", flush=True)
-        del first, grads
         if args.out:
             with open(args.out, "w") as f:
                 json.dump(results, f, indent=1)

@@ -3,16 +3,17 @@
 # [profile] [same] [same-det] (no argument = all but the last three; profile: one serial GRPO step profiled,
 # idle time by launcher; same: whether each schedule's update is serial's, and serial's its own from run to
 # run, about 6 minutes; same-det: the same with torch's deterministic algorithms, about 6.5 minutes; tests:
-# 7.5-10 minutes, most of it compiling on a fresh machine).
+# 7.5-9.5 minutes, much of it compiling).
 # Results go under $OUT (default ./gpu-results): logs, metrics and JSON tables.
-# TESTS picks the test paths of the tests stage (default: all the GPU tests), e.g. to split it in two:
-# TESTS="tests/numerics tests/schedule tests/rollout", then TESTS="tests/models tests/bench/test_fingerprint.py".
+# GPU_TESTS picks the test paths of the tests stage (default: all the GPU tests), e.g. to run it in two
+# parts: GPU_TESTS="tests/numerics tests/schedule tests/rollout", then
+# GPU_TESTS="tests/models tests/bench/test_fingerprint.py".
 # SCHEDULE_ROWS picks the rows of the schedule benchmark (default: rollplex bench schedule's default rows),
 # SCHEDULE_ARGS adds options (e.g. "--warmup 1 --steps 1"), SCHEDULE_NAME names its output files.
 # Wheels missing from the GPU image (PyAV, rouge-score, nltk) are installed from .whl/ when present.
 # Python: the python3 on PATH (activate the environment that has torch first).
 set -uo pipefail
-usage() { sed -n '2,13p' "$0" | sed 's/^# \{0,1\}//'; }
+usage() { sed -n '2,14p' "$0" | sed 's/^# \{0,1\}//'; }
 gpu_tests="tests/numerics tests/schedule tests/rollout tests/models tests/bench/test_fingerprint.py"
 stages=${*:-tests train prefix decode schedule}
 for stage in $stages; do
@@ -46,7 +47,7 @@ for stage in $stages; do
   case $stage in
     tests)
       # shellcheck disable=SC2086
-      python3 -m pytest -q -p no:cacheprovider --durations=10 ${TESTS:-$gpu_tests} 2>&1 | tee "$OUT/tests.log" \
+      python3 -m pytest -q -p no:cacheprovider --durations=10 ${GPU_TESTS:-$gpu_tests} 2>&1 | tee "$OUT/tests.log" \
         || status=1 ;;
     train)
       [ -d "$WORK/3b" ] || rollplex model init --preset qwen2.5-vl-3b --out "$WORK/3b" --dtype bfloat16

@@ -3,12 +3,14 @@
 ``blas``: cuBLAS against cuBLASLt at 64 rows (36 layers' weights; whether cuBLASLt's result is bitwise
 cuBLAS's), and the graph's floor: an empty kernel and a tiny elementwise one.
 ``splitk``: each product at 64 rows as S batched cuBLAS products over S slices of K with float32
-outputs (``torch.bmm(..., out_dtype=torch.float32)`` on strided views, no weight copy), alone and with
-the sum over S that a following elementwise kernel would fold in; against ``F.linear``.
+outputs (``torch.bmm(..., out_dtype=torch.float32)`` on strided views, no weight copy), alone and
+followed by the sum over S as its own kernel (a following elementwise kernel could fold it in); against
+``F.linear``.
 ``rows``: cuBLAS at 8..128 rows, "cold" (36 layers' weights, read from memory) and "hot" (one weight 36
 times, L2-resident): how much of a product's time is its bytes.
 
-Usage (CUDA): python scripts/product_floor.py [--what blas,rows,splitk] [--out floor.json]
+Usage (CUDA): python scripts/product_floor.py [--what blas,rows] [--out floor.json]   (--what: any of blas,
+rows, splitk)
 """
 
 from __future__ import annotations
@@ -16,11 +18,12 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+from collections.abc import Iterator
 
 import torch
 import torch.nn.functional as F
 
-from rollplex.bench.common import cuda_script_args, replay_us
+from rollplex.bench.common import cuda_script_args, one_of, replay_us
 
 LAYERS = 36
 SHAPES = {"qkv": (2560, 2048), "o": (2048, 2048), "gate_up": (22016, 2048), "down": (2048, 11008)}
@@ -57,7 +60,7 @@ def blas() -> dict:
     return res
 
 
-def _products_but_gate_up():
+def _products_but_gate_up() -> Iterator[tuple[str, int, list[torch.Tensor]]]:
     """(name, K, 36 layers' weights) of every product but gate/up."""
     for name, (n, k) in SHAPES.items():
         if name != "gate_up":
@@ -99,15 +102,28 @@ def splitk() -> dict:
     return res
 
 
+WHATS = ("blas", "rows", "splitk")
+
+
+def _whats(value: str) -> list[str]:
+    """``--what``: a comma-separated list of WHATS (a usage error names the first other item)."""
+    items = value.split(",")
+    for item in items:
+        one_of(WHATS)(item)
+    return items
+
+
 def main() -> None:
     def arguments(parser: argparse.ArgumentParser) -> None:
-        parser.add_argument("--what", default="blas,rows")
+        parser.add_argument(
+            "--what", default="blas,rows", type=_whats, help=f"comma-separated, any of {', '.join(WHATS)}"
+        )
         parser.add_argument("--out", help="write the results as JSON here")
 
     args = cuda_script_args(__doc__, arguments)
     torch.manual_seed(0)
     res = {"gpu": torch.cuda.get_device_name()}
-    for what in args.what.split(","):
+    for what in args.what:
         res[what] = {"blas": blas, "rows": rows, "splitk": splitk}[what]()
         for key, value in res[what].items():
             print(f"{what} {key}: {value}", flush=True)

@@ -51,6 +51,7 @@ def test_without_a_gpu_each_stops_with_one_line(script, monkeypatch, capsys):
     [
         ("decode_settings.py", ["bogus"]),
         ("backward_repeat.py", ["default", "nondeterministic"]),
+        ("product_floor.py", ["--what", "bogus"]),
         ("overlap_probe.py", ["serial"]),
         ("host_lag.py", ["out", "--row", "both"]),
     ],
@@ -72,7 +73,7 @@ def _suite(*args: str):
 def test_gpu_suite_help_and_a_bad_stage_stop_before_anything_runs(tmp_path):
     shown = _suite("--help")
     assert shown.returncode == 0 and shown.stdout.startswith("GPU tests and benchmarks in one call.")
-    assert "TESTS picks the test paths" in shown.stdout  # the whole usage comment, to its last line:
+    assert "GPU_TESTS picks the test paths" in shown.stdout  # the whole usage comment, to its last line:
     assert shown.stdout.rstrip().endswith("(activate the environment that has torch first).")
     bad = _suite("tests", "tset")
     assert bad.returncode == 2 and "unknown stage 'tset'" in bad.stderr
@@ -136,3 +137,48 @@ def test_host_lag_pairs_neighbouring_layers_of_one_pass_and_labels_recomputation
     rows = [row(0, 1, 0.0), row(1, 1, 0.1), row(2, 1, 0.2), row(0, 1, 0.3), row(1, 2, 0.4), row(0, 2, 0.5)]
     pairs = space["_pairs"](rows)
     assert [(a["host_s"], b["host_s"]) for a, b in pairs] == [(0.0, 0.1), (0.1, 0.2), (0.4, 0.5)]
+
+
+def test_backward_repeat_lists_gradients_in_backward_order_and_compares_them_bitwise():
+    script = runpy.run_path(str(next(p for p in SCRIPTS if p.name == "backward_repeat.py")))
+    layer = "model.language_model.layers.{}.{}.weight"
+    names = [
+        "model.language_model.embed_tokens.weight",
+        "model.visual.blocks.0.mlp.fc1.weight",
+        "model.visual.blocks.10.mlp.fc1.weight",
+        "model.visual.blocks.2.mlp.fc1.weight",
+        "model.visual.merger.mlp.0.weight",
+        *(
+            layer.format(i, p)
+            for i in (0, 1, 10)
+            for p in ("input_layernorm", "self_attn.q_proj", "mlp.up_proj")
+        ),
+        layer.format(10, "self_attn.o_proj"),
+        layer.format(10, "mlp.down_proj"),
+        layer.format(10, "post_attention_layernorm"),
+        "model.language_model.norm.weight",
+    ]
+    assert sorted(names, key=script["_backward_order"]) == [
+        "model.language_model.norm.weight",
+        layer.format(10, "mlp.down_proj"),
+        layer.format(10, "mlp.up_proj"),
+        layer.format(10, "post_attention_layernorm"),
+        layer.format(10, "self_attn.o_proj"),
+        layer.format(10, "self_attn.q_proj"),
+        layer.format(10, "input_layernorm"),
+        *(layer.format(i, p) for i in (1, 0) for p in ("mlp.up_proj", "self_attn.q_proj", "input_layernorm")),
+        "model.visual.merger.mlp.0.weight",
+        "model.visual.blocks.10.mlp.fc1.weight",
+        "model.visual.blocks.2.mlp.fc1.weight",
+        "model.visual.blocks.0.mlp.fc1.weight",
+        "model.language_model.embed_tokens.weight",
+    ]
+    first = {
+        layer.format(0, "mlp.up_proj"): torch.tensor([3.0, 4.0]),
+        "model.language_model.norm.weight": torch.ones(2),
+    }
+    again = {**first, layer.format(0, "mlp.up_proj"): torch.tensor([3.0, 4.5])}
+    compared = script["_compare"](first, again)
+    assert compared["parameters"] == 2 and compared["differing"] == 1
+    assert compared["first_in_backward_order"] == [{"name": layer.format(0, "mlp.up_proj"), "rel_diff": 0.1}]
+    assert script["_compare"](first, dict(first))["differing"] == 0
