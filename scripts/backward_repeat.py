@@ -13,14 +13,15 @@ backward) over all groups, from zeroed gradients, for each setting in the order 
 
 Where a deterministic setting is asked for, ``CUBLAS_WORKSPACE_CONFIG`` is set before the first matrix
 product, as ``run.deterministic`` sets it, and so for every setting of the process. Each setting first
-runs one pass that is discarded (it compiles: dynamo guards on the deterministic flag), then
-``--repeats`` kept passes; each kept pass's gradients (bf16, the model's dtype) are compared with the
-first kept pass's, parameter by parameter: bitwise equal or not, and the relative L2 difference.
+runs one pass that is discarded (it compiles where the deterministic flag changed: dynamo guards on it),
+then ``--repeats`` kept passes; each kept pass's gradients (bf16, the model's dtype) are compared with
+the first kept pass's, parameter by parameter: bitwise equal or not, and the relative L2 difference.
 Equal means equal after the rounding to bf16, so a listed parameter is the first *visible* difference.
-Parameters are listed in backward order, the first 8 that differ: the LM head and final norm, then the
-layers from the last, each from its MLP (down, gate/up, post-attention norm) through o and q/k/v to its
-input norm, then the vision tower from its merger and last block, then the embeddings. A varying kernel
-on a layer's input-gradient path shows first in the parameters of the layer below.
+Parameters are listed in backward order, the first 8 that differ: the LM head and final norm (a tied
+head's gradient is the embeddings'), then the layers from the last, each as its MLP (down, then gate/up),
+post-attention norm, o, q/k/v and input norm, then the vision tower from its merger and last block, then
+the embeddings. A varying kernel on a layer's input-gradient path shows first in the parameters of the
+layer below.
 ``ROLLPLEX_SUFFIX_ATTENTION`` picks the suffix attention as in training (recorded in the JSON).
 
 Usage (CUDA): python scripts/backward_repeat.py [SETTING ...] [--repeats 3] [--out repeat.json]
