@@ -620,7 +620,10 @@ def validate_for_training(cfg: Config) -> None:
     )
     for name, value, exists in required:
         if not value:
-            raise ConfigError(f"{name} is required (got '')")
+            raise ConfigError(
+                f"{name} is required (got ''; a config file starts from the field defaults, not from the "
+                "embedded default job: see rollplex train --help-config)"
+            )
         if not exists(Path(value)):
             raise ConfigError(f"{name}={value!r} does not exist")
     optional = (

@@ -10,10 +10,11 @@
 # GPU_TESTS="tests/models tests/bench/test_fingerprint.py".
 # SCHEDULE_ROWS picks the rows of the schedule benchmark (default: rollplex bench schedule's default rows),
 # SCHEDULE_ARGS adds options (e.g. "--warmup 1 --steps 1"), SCHEDULE_NAME names its output files.
-# Wheels missing from the GPU image (PyAV, rouge-score, nltk) are installed from .whl/ when present.
+# Wheels missing from the GPU image (PyAV, rouge-score, nltk) are installed from .whl/ when present
+# (docs/benchmarks.md shows how to download them there).
 # Python: the python3 on PATH (activate the environment that has torch first).
 set -uo pipefail
-usage() { sed -n '2,14p' "$0" | sed 's/^# \{0,1\}//'; }
+usage() { sed -n '2,15p' "$0" | sed 's/^# \{0,1\}//'; }
 gpu_tests="tests/numerics tests/schedule tests/rollout tests/models tests/bench/test_fingerprint.py"
 stages=${*:-tests train prefix decode schedule}
 for stage in $stages; do

@@ -94,7 +94,10 @@ def test_missing_required_field_is_reported(tmp_path, trained, capsys):
     config = tmp_path / "run.yaml"
     config.write_text("run:\n  steps: 3\n")
     assert main(["train", str(config)]) == 2
-    assert capsys.readouterr().err == "rollplex: error: model.path is required (got '')\n"
+    assert capsys.readouterr().err == (
+        "rollplex: error: model.path is required (got ''; a config file starts from the field defaults, "
+        "not from the embedded default job: see rollplex train --help-config)\n"
+    )
 
 
 def test_help_config_lists_fields_and_the_default_job(capsys, tmp_path, monkeypatch):

@@ -182,7 +182,10 @@ def test_invalid_values_name_the_field(override, needles):
         (["reward.functions=[format, format]"], ["reward.functions", "twice"]),
         (["reward.functions=[]"], ["reward.functions"]),
         (["reward.functions=[nosuch]"], ["reward.functions", "'nosuch'", "built-in"]),
-        (["reward.functions=[no.such_module:fn]"], ["reward.functions", "cannot be imported"]),
+        (
+            ["reward.functions=[no.such_module:fn]"],
+            ["reward.functions", "cannot be imported", "PYTHONPATH=."],
+        ),
         (
             ["reward.functions=[format]", "reward.temporal_alpha=0.3"],
             [

@@ -347,7 +347,12 @@ def resolve_reward(name: str) -> RewardFn:
     try:
         fn = getattr(importlib.import_module(module_name), attr)
     except Exception as exc:  # noqa: BLE001 - a user module may fail to import in any way (SyntaxError, ...)
-        raise ValueError(f"reward {name!r} cannot be imported: {type(exc).__name__}: {exc}") from exc
+        hint = (
+            " (is its folder on PYTHONPATH? e.g. PYTHONPATH=.)"
+            if isinstance(exc, ModuleNotFoundError)
+            else ""
+        )
+        raise ValueError(f"reward {name!r} cannot be imported: {type(exc).__name__}: {exc}{hint}") from exc
     if not callable(fn):
         raise ValueError(f"reward {name!r} resolves to a non-callable {type(fn).__name__}")
     return fn

@@ -28,7 +28,7 @@ from rollplex.bench.common import PromptShape, Workload, bench_device, synthetic
 from rollplex.bench.variants import DECODE_VARIANTS, DEFAULT_VARIANTS
 from rollplex.models.forward import prefix_forward
 from rollplex.models.presets import vision_special_ids
-from rollplex.rollout.decode import DecodeRecord, StaticDecoder
+from rollplex.rollout.decode import DecodeRecord, StaticDecoder, triton_runs
 from rollplex.rollout.engine import SamplingParams, generate
 
 VARIANTS = DECODE_VARIANTS
@@ -119,6 +119,11 @@ def run_decode_bench(cfg: DecodeBenchConfig, out: Path | None = None) -> DecodeB
     device, shape = prefix.keys[0].device, PromptShape(cfg.text_tokens, cfg.grid)
     result = DecodeBenchResult(config=asdict(cfg), copy_bandwidth_gbps=copy_bandwidth(device))
     for name in cfg.variants:
+        if VARIANTS[name].get("attention") == "triton" and not triton_runs(device):
+            reason = "skipped: Triton attention needs CUDA (or TRITON_INTERPRET=1 on the CPU)"
+            print(f"  {name}: {reason}", flush=True)
+            result.rows[name] = {"skipped": reason}
+            continue
         tokens = cfg.eager_tokens if name == "eager" else cfg.response_tokens
         params = SamplingParams(1.0, 1.0, 0, tokens, (-1,), 0, banned, **VARIANTS[name])
         try:
@@ -190,8 +195,8 @@ def _print(result: DecodeBenchResult) -> None:
     print(f"copy bandwidth {result.copy_bandwidth_gbps:.0f} GB/s, config {result.config}")
     print(f"{'variant':16} {'ms/step':>10} {'roofline ms':>12} {'ratio':>8}")
     for name, row in result.rows.items():
-        if "error" in row:
-            print(f"{name:16} {row['error']}")
+        if "error" in row or "skipped" in row:
+            print(f"{name:16} {row.get('error', row.get('skipped'))}")
             continue
         print(
             f"{name:16} {row['ms_per_step']:10.3f} {row['roofline_ms_per_step']:12.3f} {row['roofline_ratio']:8.2f}"

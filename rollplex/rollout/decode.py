@@ -776,7 +776,7 @@ def fused_gate_runs(device: torch.device) -> bool:
     return device.type == "cuda" and triton is not None
 
 
-def _triton_runs(device: torch.device) -> bool:
+def triton_runs(device: torch.device) -> bool:
     """Triton kernels can run on tensors of ``device``: CUDA, or the CPU under ``TRITON_INTERPRET=1``."""
     return device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
 
@@ -789,6 +789,6 @@ def _check_attention(name: str, device: torch.device, shape: DecodeShape) -> str
     if name == "auto":
         usable = device.type == "cuda" and supports(shape.heads, shape.kv_heads, shape.head_dim)
         return "triton" if usable else "dense"
-    if name == "triton" and not _triton_runs(device):
+    if name == "triton" and not triton_runs(device):
         raise ValueError("decode attention 'triton' runs on CUDA (or on the CPU under TRITON_INTERPRET=1)")
     return name

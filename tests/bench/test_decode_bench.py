@@ -35,6 +35,28 @@ def test_tiny_decode_bench_runs(tmp_path):
     assert (tmp_path / "decode.json").exists()
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the Triton rows would run on this CUDA device")
+def test_triton_rows_are_skipped_with_their_reason_where_triton_cannot_run(tmp_path, monkeypatch, capsys):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    cfg = DecodeBenchConfig(
+        preset="tiny",
+        groups=1,
+        group_size=2,
+        response_tokens=3,
+        text_tokens=8,
+        grid=(2, 4, 4),
+        dtype="float32",
+        eager_tokens=3,
+        variants=("eager", "graphs+triton"),
+    )
+    result = run_decode_bench(cfg)
+    assert result.rows["eager"]["ms_per_step"] > 0
+    assert result.rows["graphs+triton"] == {
+        "skipped": "skipped: Triton attention needs CUDA (or TRITON_INTERPRET=1 on the CPU)"
+    }
+    assert "failed" not in capsys.readouterr().out
+
+
 def test_step_bytes_by_hand():
     """Weights of every layer + final norm + LM head, plus 2 (K, V) × layers × Hkv × D × bytes per
     cached token: prompts 10 and 20, 2 rows per group, own tokens averaged over 1..4 (2.5)."""
