@@ -10,19 +10,15 @@ from rollplex.bench.decode import VARIANTS, DecodeBenchConfig, run_decode_bench,
 from rollplex.bench.variants import DEFAULT_VARIANTS
 
 
+def _tiny(**changes) -> DecodeBenchConfig:
+    """The tiny preset's CPU workload: 2 groups of 2 rows, 6 response tokens (4 eager), float32."""
+    sizes = {"groups": 2, "group_size": 2, "response_tokens": 6, "text_tokens": 20, "eager_tokens": 4}
+    return DecodeBenchConfig(preset="tiny", grid=(2, 4, 4), dtype="float32", **{**sizes, **changes})
+
+
 def test_tiny_decode_bench_runs(tmp_path):
     pytest.importorskip("triton")  # the default variants include the Triton kernels (interpreted here)
-    cfg = DecodeBenchConfig(
-        preset="tiny",
-        groups=2,
-        group_size=2,
-        response_tokens=6,
-        text_tokens=20,
-        grid=(2, 4, 4),
-        dtype="float32",
-        eager_tokens=4,
-    )
-    result = run_decode_bench(cfg, tmp_path / "decode.json")
+    result = run_decode_bench(_tiny(), tmp_path / "decode.json")
     assert (
         set(result.rows)
         == set(DEFAULT_VARIANTS)
@@ -38,18 +34,9 @@ def test_tiny_decode_bench_runs(tmp_path):
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the Triton rows would run on this CUDA device")
 def test_triton_rows_are_skipped_with_their_reason_where_triton_cannot_run(tmp_path, monkeypatch, capsys):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
-    cfg = DecodeBenchConfig(
-        preset="tiny",
-        groups=1,
-        group_size=2,
-        response_tokens=3,
-        text_tokens=8,
-        grid=(2, 4, 4),
-        dtype="float32",
-        eager_tokens=3,
-        variants=("eager", "graphs+triton"),
+    result = run_decode_bench(
+        _tiny(groups=1, response_tokens=3, eager_tokens=3, variants=("eager", "graphs+triton"))
     )
-    result = run_decode_bench(cfg)
     assert result.rows["eager"]["ms_per_step"] > 0
     assert result.rows["graphs+triton"] == {
         "skipped": "skipped: Triton attention needs CUDA (or TRITON_INTERPRET=1 on the CPU)"
