@@ -42,6 +42,7 @@ rounding, since the traced backward formulas may sum in another order).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import types
@@ -82,18 +83,25 @@ def compiles_layers(requested: bool, device: torch.device) -> bool:
 _INDUCTOR_OPTIONS = {"emulate_precision_casts": True}
 
 
-# The first failure to compile a layer ("Type: message"), after which every compiled layer of the
-# process runs its class's own forward: a machine where torch.compile cannot build kernels (no C
-# compiler, no Triton) fails the same way for every layer, at the first compiled call. A failure after
-# a compiled call has succeeded is raised instead: it is not the machine, and running on uncompiled
-# would break activation checkpointing, whose recomputation must save what the compiled forward saved.
-_FALLBACK: list[str] = []
-_COMPILED_ONCE: list[bool] = []  # holds True once a compiled layer call has returned
+@dataclasses.dataclass
+class _CompileState:
+    """Whether this process's compiled layers work. A machine where torch.compile cannot build kernels
+    (no C compiler, no Triton) fails the same way for every layer, at the first compiled call: the
+    first failure is kept in ``fallback`` ("Type: message"), and every compiled layer runs its class's
+    own forward from then on. A failure after a compiled call has returned (``compiled_once``) is raised
+    instead: it is not the machine, and running on uncompiled would break activation checkpointing,
+    whose recomputation must save what the compiled forward saved."""
+
+    fallback: str | None = None
+    compiled_once: bool = False
+
+
+_STATE = _CompileState()  # one per process, like the machine it describes
 
 
 def compile_fallback() -> str | None:
     """Why the layers run uncompiled although compilation was turned on (None: they run compiled)."""
-    return _FALLBACK[0] if _FALLBACK else None
+    return _STATE.fallback
 
 
 def _compile_errors() -> tuple[type[BaseException], ...]:
@@ -124,7 +132,7 @@ def _checkpointing_inner(forward) -> Callable | None:
 def _compiled(forward, backend: str | Callable):
     """One compiled function per (class forward, backend), shared by every instance: ``forward``
     compiled, falling back to ``forward`` itself, with one warning, if compiling fails before any
-    compiled call has succeeded (``_FALLBACK``; a later failure is raised). The returned function keeps
+    compiled call has succeeded (``_CompileState``; a later failure is raised). The returned function keeps
     ``forward`` as ``.eager``.
 
     Where ``forward`` checkpoints the layer itself (``_checkpointing_inner``), the layer's own forward is
@@ -141,22 +149,21 @@ def _compiled(forward, backend: str | Callable):
         return compiled(self, *args, **kwargs)
 
     def guarded(self, *args, **kwargs):
-        if not _FALLBACK:
+        if _STATE.fallback is None:
             try:
                 out = run(self, *args, **kwargs)
             except _compile_errors() as err:
-                if _COMPILED_ONCE:
+                if _STATE.compiled_once:
                     raise
                 cause = getattr(err, "inner_exception", None) or err  # the backend's own error
-                _FALLBACK.append(f"{type(cause).__name__}: {(str(cause).strip().splitlines() or [''])[0]}")
+                _STATE.fallback = f"{type(cause).__name__}: {(str(cause).strip().splitlines() or [''])[0]}"
                 log.warning(
                     "compiling the layers failed (%s); they run uncompiled from here on "
                     "(model.compile_layers: false skips compiling)",
-                    _FALLBACK[0],
+                    _STATE.fallback,
                 )
             else:
-                if not _COMPILED_ONCE:
-                    _COMPILED_ONCE.append(True)
+                _STATE.compiled_once = True
                 return out
         return forward(self, *args, **kwargs)
 

@@ -219,8 +219,7 @@ def test_a_layer_that_fails_to_compile_runs_uncompiled_with_one_warning(monkeypa
     """Where torch.compile cannot build kernels (here a backend that raises, as inductor does without a
     C compiler), the first failure is named in one warning and every compiled layer runs its own
     forward from then on: the same numbers as the eager model, and no second attempt."""
-    monkeypatch.setattr(compiled_module, "_FALLBACK", [])
-    monkeypatch.setattr(compiled_module, "_COMPILED_ONCE", [])
+    monkeypatch.setattr(compiled_module, "_STATE", compiled_module._CompileState())
     attempts = []
 
     def failing(gm, inputs):
@@ -248,8 +247,7 @@ def test_a_compile_failure_after_compiled_calls_is_raised(monkeypatch):
     """Once a compiled layer call has succeeded, a failure to compile another variant is not the
     machine: it is raised (running that layer uncompiled could break activation checkpointing, whose
     recomputation must save what the compiled forward saved)."""
-    monkeypatch.setattr(compiled_module, "_FALLBACK", [])
-    monkeypatch.setattr(compiled_module, "_COMPILED_ONCE", [])
+    monkeypatch.setattr(compiled_module, "_STATE", compiled_module._CompileState())
     graphs = []
 
     def fails_after_the_first_graphs(gm, inputs):
@@ -268,8 +266,7 @@ def test_a_compile_failure_after_compiled_calls_is_raised(monkeypatch):
 
 def test_an_error_of_a_compiled_layer_at_run_time_is_raised(monkeypatch):
     """Only a failure to compile falls back: an error raised by compiled code as it runs propagates."""
-    monkeypatch.setattr(compiled_module, "_FALLBACK", [])
-    monkeypatch.setattr(compiled_module, "_COMPILED_ONCE", [])
+    monkeypatch.setattr(compiled_module, "_STATE", compiled_module._CompileState())
 
     def raising_graph(gm, inputs):
         def run(*args):
