@@ -1,4 +1,4 @@
-"""Run each kernel of one decode step once at the 3B benchmark shape, between cudaProfilerStart and
+r"""Run each kernel of one decode step once at the 3B benchmark shape, between cudaProfilerStart and
 cudaProfilerStop, for Nsight Compute's hardware counters (64 rows, bf16, own keys 0..240, random data):
 the q/k/v product with its bias, the fused attention's partials and merge, the o product, the gated
 gate/up product, the down product (cuBLAS split-K and its reduction) and the sampling race.
