@@ -219,6 +219,19 @@ def test_reward_module_that_fails_to_import_is_a_config_error(tmp_path, monkeypa
         assert needle in str(info.value)
 
 
+def test_only_a_reward_module_that_is_not_found_itself_suggests_pythonpath(tmp_path, monkeypatch):
+    """A module missing from the path gets the PYTHONPATH hint; a module that is found but imports a
+    missing dependency does not (the path is not what is wrong)."""
+    (tmp_path / "needs_a_dependency.py").write_text("import no_such_dependency\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(ConfigError) as found:
+        load_config(None, ["reward.functions=[needs_a_dependency:score]"])
+    assert "no_such_dependency" in str(found.value) and "PYTHONPATH" not in str(found.value)
+    with pytest.raises(ConfigError) as missing:
+        load_config(None, ["reward.functions=[not_on_the_path.rewards:score]"])
+    assert "PYTHONPATH=." in str(missing.value)
+
+
 def test_custom_reward_can_drive_t_grpo(tmp_path, monkeypatch):
     """A run whose only accuracy reward is a custom function loads when reward.temporal_reward names it."""
     (tmp_path / "my_accuracy.py").write_text("def score(text, record):\n    return 1.0\n")

@@ -347,11 +347,10 @@ def resolve_reward(name: str) -> RewardFn:
     try:
         fn = getattr(importlib.import_module(module_name), attr)
     except Exception as exc:  # noqa: BLE001 - a user module may fail to import in any way (SyntaxError, ...)
-        hint = (
-            " (is its folder on PYTHONPATH? e.g. PYTHONPATH=.)"
-            if isinstance(exc, ModuleNotFoundError)
-            else ""
-        )
+        own = isinstance(exc, ModuleNotFoundError) and module_name.startswith(
+            str(exc.name)
+        )  # not a dependency
+        hint = " (is its folder on PYTHONPATH? e.g. PYTHONPATH=.)" if own else ""
         raise ValueError(f"reward {name!r} cannot be imported: {type(exc).__name__}: {exc}{hint}") from exc
     if not callable(fn):
         raise ValueError(f"reward {name!r} resolves to a non-callable {type(fn).__name__}")
