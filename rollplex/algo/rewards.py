@@ -347,9 +347,8 @@ def resolve_reward(name: str) -> RewardFn:
     try:
         fn = getattr(importlib.import_module(module_name), attr)
     except Exception as exc:  # noqa: BLE001 - a user module may fail to import in any way (SyntaxError, ...)
-        own = isinstance(exc, ModuleNotFoundError) and module_name.startswith(
-            str(exc.name)
-        )  # not a dependency
+        # the module itself (or a package of its path) was not found, not a dependency it imports
+        own = isinstance(exc, ModuleNotFoundError) and f"{module_name}.".startswith(f"{exc.name}.")
         hint = " (is its folder on PYTHONPATH? e.g. PYTHONPATH=.)" if own else ""
         raise ValueError(f"reward {name!r} cannot be imported: {type(exc).__name__}: {exc}{hint}") from exc
     if not callable(fn):
