@@ -170,7 +170,7 @@ def _bench_prefix(args: argparse.Namespace) -> None:
     run_prefix_bench(PrefixBenchConfig(**options), args.out)
 
 
-def _bench_schedule(args: argparse.Namespace) -> None:
+def _bench_schedule(args: argparse.Namespace) -> int:
     from rollplex.bench.schedule import ScheduleBenchConfig, run_schedule_bench
 
     extra = (
@@ -188,10 +188,10 @@ def _bench_schedule(args: argparse.Namespace) -> None:
     options = _options(args, (*WORKLOAD_FIELDS, *extra))
     if args.rows is not None:
         options["rows"] = tuple(row.strip() for row in args.rows.split(","))
-    run_schedule_bench(ScheduleBenchConfig(**options), args.out)
+    return _failed_rows(run_schedule_bench(ScheduleBenchConfig(**options), args.out).rows)
 
 
-def _bench_decode(args: argparse.Namespace) -> None:
+def _bench_decode(args: argparse.Namespace) -> int:
     from rollplex.bench.decode import DecodeBenchConfig, run_decode_bench
 
     options = _options(args, WORKLOAD_FIELDS)
@@ -199,7 +199,17 @@ def _bench_decode(args: argparse.Namespace) -> None:
         options["variants"] = tuple(v.strip() for v in args.variants.split(","))
     if args.profile_steps:
         options["profile_steps"] = args.profile_steps
-    run_decode_bench(DecodeBenchConfig(**options), args.out)
+    return _failed_rows(run_decode_bench(DecodeBenchConfig(**options), args.out).rows)
+
+
+def _failed_rows(rows: dict) -> int:
+    """A benchmark's exit status: 1 where rows failed (one line on stderr names them; their errors were
+    printed as they failed), 0 otherwise. A row skipped for a reason it names is not a failure."""
+    failed = [name for name, row in rows.items() if "error" in row]
+    if not failed:
+        return 0
+    print(f"rollplex: error: {len(failed)} of {len(rows)} rows failed: {', '.join(failed)}", file=sys.stderr)
+    return 1
 
 
 def _add_workload_arguments(
@@ -410,7 +420,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Parse ``argv`` (default ``sys.argv[1:]``) and run the command; returns the exit status.
 
     Usage errors exit through argparse (status 2); a ``ValueError`` raised by the command prints
-    ``rollplex: error: <message>`` (joined into one line) on stderr and returns 2.
+    ``rollplex: error: <message>`` (joined into one line) on stderr and returns 2; a benchmark with
+    failed rows returns 1 (``_failed_rows``).
     """
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
@@ -419,9 +430,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     elif extra:
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
     try:
-        args.handler(args)
+        status = args.handler(args)
     except ValueError as exc:
         message = " ".join(line.strip() for line in str(exc).splitlines() if line.strip())
         print(f"rollplex: error: {message}", file=sys.stderr)
         return 2
-    return 0
+    return status or 0

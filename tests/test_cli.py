@@ -263,7 +263,7 @@ def test_bench_schedule_options_reach_the_config(monkeypatch):
         monkeypatch,
         "rollplex.bench.schedule",
         ScheduleBenchConfig=ScheduleBenchConfig,
-        run_schedule_bench=lambda cfg, out: seen.append(cfg),
+        run_schedule_bench=lambda cfg, out: seen.append(cfg) or types.SimpleNamespace(rows={}),
     )
     main(["bench", "schedule", "--rows", "serial,both", "--auto-trials", "1", "--decode-attention", "triton"])
     main(
@@ -357,3 +357,21 @@ def test_a_decode_profile_without_cuda_is_refused_before_anything_runs(monkeypat
     monkeypatch.setattr(decode, "decode_workload", lambda cfg: pytest.fail("the workload was built"))
     assert main(["bench", "decode", "--preset", "tiny", "--profile-steps", "4"]) == 2
     assert "profiles CUDA kernels: it needs a CUDA device" in capsys.readouterr().err
+
+
+def test_a_benchmark_with_failed_rows_exits_1_naming_them(monkeypatch, capsys):
+    """Rows that failed (their errors printed as they ran) make the command exit 1 with one line naming
+    them; a skipped row, which names its reason, does not."""
+    from rollplex.bench.decode import DecodeBenchConfig
+
+    rows = {"eager": {"ms_per_step": 1.0}, "graphs+triton": {"skipped": "needs CUDA"}}
+    _fake_module(
+        monkeypatch,
+        "rollplex.bench.decode",
+        DecodeBenchConfig=DecodeBenchConfig,
+        run_decode_bench=lambda cfg, out: types.SimpleNamespace(rows=rows),
+    )
+    assert main(["bench", "decode", "--preset", "tiny"]) == 0
+    rows["graphs"] = {"error": "RuntimeError: no kernel"}
+    assert main(["bench", "decode", "--preset", "tiny"]) == 1
+    assert capsys.readouterr().err == "rollplex: error: 1 of 3 rows failed: graphs\n"
