@@ -446,3 +446,13 @@ def test_model_compile_layers_is_ignored_on_the_cpu(assets, tmp_path):
     cfg = _config(assets, tmp_path, 1, **{"algo.kl_coef": 0.05, "model.compile_layers": "true"})
     run = build_run(cfg)
     assert not layers_compiled(run.roles.actor) and not layers_compiled(run.roles.reference)
+
+
+def test_b05_a_run_bans_every_vision_special_id_of_its_checkpoint(assets, tmp_path):
+    """Field case B05: the ids a run's sampler never draws are the checkpoint's five vision ids
+    (vision_start, vision_end, vision_pad, image, video), read from its config and tokenizer."""
+    from rollplex.models.presets import vision_special_ids
+
+    run = build_run(_config(assets, tmp_path / "run", 1))
+    want = sorted(vision_special_ids(run.roles.actor.config))
+    assert len(want) == 5 and run.roles.sampling.banned_ids.tolist() == want

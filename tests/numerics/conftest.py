@@ -152,9 +152,19 @@ def make_prompt(texts: list[int], vision: list[tuple[str, tuple[int, int, int], 
 def full_logprobs(
     oracle, prompt: Prompt, response: torch.Tensor, temperature: float, banned: torch.Tensor = BANNED
 ) -> torch.Tensor:
-    """Oracle: teacher-forced log-probs float64 [R] of ``response`` after ``prompt``, one full-sequence
-    forward (SDPA causal attention), vision features from the HF model's own feature functions, placed at
-    the prompt's placeholders only."""
+    """Oracle: teacher-forced log-probs float64 [R] of ``response`` after ``prompt`` (``vocab_logprobs``
+    at the response's own tokens)."""
+    vocab = vocab_logprobs(oracle, prompt, response, temperature, banned)
+    return vocab.gather(1, response[:, None]).squeeze(1)
+
+
+def vocab_logprobs(
+    oracle, prompt: Prompt, response: torch.Tensor, temperature: float, banned: torch.Tensor = BANNED
+) -> torch.Tensor:
+    """Oracle: the whole vocabulary's log-probs float64 [R, V] at each position of ``response`` after
+    ``prompt`` (teacher-forced), at ``temperature``, banned ids -inf: one full-sequence forward (SDPA
+    causal attention), vision features from the HF model's own feature functions, placed at the prompt's
+    placeholders only."""
     lm = oracle.model.language_model
     ids = torch.cat([prompt.input_ids, response])
     embeds = lm.embed_tokens(ids)
@@ -175,4 +185,4 @@ def full_logprobs(
     hidden = lm(inputs_embeds=embeds[None], position_ids=positions[:, None, :]).last_hidden_state
     logits = oracle.lm_head(hidden[0, p_len - 1 : -1])
     logits = logits.masked_fill(torch.isin(torch.arange(VOCAB), banned), float("-inf"))
-    return torch.log_softmax(logits / temperature, dim=-1).gather(1, response[:, None]).squeeze(1)
+    return torch.log_softmax(logits / temperature, dim=-1)

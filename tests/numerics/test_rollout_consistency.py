@@ -15,7 +15,8 @@ import torch
 from rollplex.algo.losses import policy_loss
 from rollplex.models.forward import prefix_forward, suffix_logprobs
 from rollplex.rollout.engine import SamplingParams, generate
-from tests.numerics.conftest import BANNED, IMAGE, V_START, full_logprobs, make_prompt
+from rollplex.rollout.sampler import support_mask
+from tests.numerics.conftest import BANNED, IMAGE, V_START, full_logprobs, make_prompt, vocab_logprobs
 
 N, T = 4, 0.9
 
@@ -100,6 +101,47 @@ def test_recorded_logprobs_equal_trainer_and_oracle_float64(
         assert (batch.logprobs[b, :length] - ref).abs().max() <= 1e-10
     loss, clipped = policy_loss(trainer, trainer.detach(), torch.ones(trainer.shape[0]), 0.2, 0.28)
     assert not clipped[mask].any()
+
+
+@pytest.mark.parametrize(("top_p", "top_k"), [(0.9, 0), (1.0, 5), (0.7, 3)])
+@pytest.mark.parametrize("fused_sampling", [False, True])
+def test_b08_top_p_top_k_rollouts_record_the_full_distributions_logprobs(
+    models, top_p, top_k, fused_sampling, monkeypatch
+):
+    """Field case B08 end to end: with top-p and/or top-k sampling, rollout records each token's
+    log-prob under the whole distribution at T (what the trainer computes), not under the renormalised
+    kept set, so the step-0 ratio is exactly 1 and nothing is clipped; float64 trainer and oracle agree
+    to 1e-10. The renormalised value differs by more than 1e-3 for some token, so recording it would
+    fail here. Also with the fused sampling race (forced on: it runs on CUDA only otherwise)."""
+    from rollplex.rollout import decode
+
+    if fused_sampling:
+        pytest.importorskip("triton")
+        monkeypatch.setattr(decode, "fused_sampling_runs", lambda device: True)
+    model, oracle = models
+    prompts = _prompts()
+    batch = _rollout(model, prompts, _params(top_p=top_p, top_k=top_k))
+    mask = batch.response_mask()
+    prefix = prefix_forward(model, prompts, temperature=T, banned_ids=BANNED, attached=True)
+    trainer, _ = suffix_logprobs(
+        model, prefix, batch.responses, group_size=N, temperature=T, banned_ids=BANNED
+    )
+    assert (trainer - batch.logprobs).abs()[mask].max() <= 1e-10
+    _, clipped = policy_loss(trainer, batch.logprobs, torch.ones(trainer.shape[0]), 0.2, 0.28)
+    assert not clipped[mask].any()
+    renormalised_gap = 0.0
+    for b in range(batch.responses.shape[0]):
+        length = int(batch.response_lens[b])
+        response = batch.responses[b, :length]
+        with torch.no_grad():
+            vocab = vocab_logprobs(oracle, prompts[b // N], response, T)
+        chosen = vocab.gather(1, response[:, None]).squeeze(1)
+        assert (batch.logprobs[b, :length] - chosen).abs().max() <= 1e-10
+        kept = support_mask(vocab, top_p=top_p, top_k=top_k)
+        assert kept.gather(1, response[:, None]).all()  # every sampled token was in the kept set
+        kept_mass = torch.logsumexp(vocab.masked_fill(~kept, float("-inf")), dim=-1)
+        renormalised_gap = max(renormalised_gap, float((-kept_mass).abs().max()))
+    assert renormalised_gap > 1e-3
 
 
 @pytest.mark.parametrize(
