@@ -226,3 +226,18 @@ def test_the_first_update_is_exactly_on_policy(batch):
             aggregate(loss_tok, mask[rows], "token-mean", num_tokens=18, num_seqs=6, horizon=mask.shape[1])
         )
     assert stats.loss == want
+
+
+def test_b11_the_dr_grpo_normaliser_is_the_configured_budget_not_the_batch_width(batch):
+    """Field case B11: "seq-mean-token-sum-norm" divides by rollout.max_response_tokens, the budget, not
+    by the width of the batch's response tensor. A budget of 8 over responses 4 wide halves every
+    gradient against a budget of 4 (a power of two: the halving is exact)."""
+    roles, scored = batch
+    assert scored.rollout.responses.shape[1] == roles.config.rollout.max_response_tokens == 4
+    wider = dataclasses.replace(roles.config.rollout, max_response_tokens=8)
+    roles8 = dataclasses.replace(roles, config=dataclasses.replace(roles.config, rollout=wider))
+    at4 = _gradients(roles, scored, "seq-mean-token-sum-norm", 0)
+    at8 = _gradients(roles8, scored, "seq-mean-token-sum-norm", 0)
+    scale = max(float(g.abs().max()) for g in at4.values())
+    assert scale > 0
+    assert all(torch.allclose(2 * at8[n], at4[n], rtol=0, atol=1e-12 * scale) for n in at4)
