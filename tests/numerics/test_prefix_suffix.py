@@ -161,7 +161,9 @@ def test_frozen_vision_gets_no_grad_and_keeps_no_graph(models):
 
 def _vision_setting_grads(model, setting: str, checkpointing: bool):
     """Gradients of one backward with the vision tower "trainable", "merger" (blocks frozen, merger
-    trainable) or "frozen", and whether the tower's output carried an autograd graph."""
+    trainable) or "frozen", whether the tower's output carried an autograd graph, and how many times
+    the first vision block's first norm ran during the backward pass (the block's recomputation under
+    checkpointing; a forward hook on the block itself does not see the tower's own block calls)."""
     import copy
 
     m = copy.deepcopy(model)
@@ -173,14 +175,18 @@ def _vision_setting_grads(model, setting: str, checkpointing: bool):
     m.model.visual.merger.requires_grad_(setting != "frozen")
     graphs = []
     hook = m.model.visual.register_forward_hook(lambda mod, args, out: graphs.append(_has_graph(out)))
+    block_runs = []
+    counter = m.model.visual.blocks[0].norm1.register_forward_hook(lambda *_: block_runs.append(1))
     prompts, responses, lens = _batch()
     prefix = prefix_forward(m, prompts, temperature=T, banned_ids=BANNED, attached=True)
     got, _ = suffix_logprobs(m, prefix, responses, group_size=N, temperature=T, banned_ids=BANNED)
+    before = len(block_runs)
     _loss([got[b, : lens[b]] for b in range(len(lens))]).backward()
     hook.remove()
+    counter.remove()
     grads = _grads(m)
     assert grads.keys() == {n for n, p in m.named_parameters() if p.requires_grad}  # none without a grad
-    return grads, any(graphs)
+    return grads, any(graphs), len(block_runs) - before
 
 
 def _has_graph(out) -> bool:
@@ -200,12 +206,14 @@ def test_b17_vision_settings_under_checkpointing(models):
     runs = {
         s: _vision_setting_grads(models[0], s, checkpointing=True) for s in ("trainable", "merger", "frozen")
     }
-    plain = {s: _vision_setting_grads(models[0], s, checkpointing=False)[0] for s in ("trainable", "merger")}
-    (trainable, graph_t), (merger, graph_m), (frozen, graph_f) = (
+    plain = {s: _vision_setting_grads(models[0], s, checkpointing=False) for s in ("trainable", "merger")}
+    (trainable, graph_t, recomputed), (merger, graph_m, _), (frozen, graph_f, _) = (
         runs["trainable"],
         runs["merger"],
         runs["frozen"],
     )
+    assert recomputed > 0 and plain["trainable"][2] == 0  # checkpointing does recompute the blocks
+    plain = {s: grads for s, (grads, _, _) in plain.items()}
     assert any(n.startswith("model.visual.blocks") for n in trainable) and graph_t and graph_m and not graph_f
     assert any(n.startswith("model.visual.merger") for n in merger)
     assert not any(n.startswith("model.visual.blocks") for n in merger)
