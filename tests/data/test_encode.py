@@ -80,8 +80,11 @@ def test_over_long_prompt_is_rejected_whole(builder):
     short = PromptBuilder(
         builder.processor, "video_r1", Path("."), 20, builder.video, builder.image, builder.tokens
     )
-    with pytest.raises(SkipSample, match=r"needs \d+ tokens.*max_prompt_tokens=20"):
-        short.encode(_record(), VisualInput("video", _frames(8, 5), 2.0))
+    visual = VisualInput("video", _frames(8, 5), 2.0)
+    length = builder.encode(_record(), visual).length  # the same prompt under the fixture's budget
+    assert length > 20
+    with pytest.raises(SkipSample, match=rf"needs {length} tokens.*max_prompt_tokens=20"):
+        short.encode(_record(), visual)
 
 
 # ---------------------------------------------------------------- T-GRPO shuffled-frame twins
