@@ -91,3 +91,41 @@ def test_cut_vision_span_is_rejected():
 def test_text_only_prompt():
     pos, nxt = rope_positions(_ids(("text", 12)), TOKENS)
     assert pos.tolist() == [list(range(12))] * 3 and nxt == 12
+
+
+@pytest.mark.parametrize(
+    "layout",
+    [
+        [("text", 5), ("image", (1, 4, 6)), ("text", 4)],  # layout A
+        [("text", 3), ("image", (1, 8, 8)), ("text", 2)],  # layout B
+        [("image", (1, 4, 6)), ("text", 2), ("image", (1, 6, 4)), ("text", 1)],  # starts with an image
+    ],
+)
+def test_image_positions_equal_transformers_get_rope_index(layout):
+    """An independent oracle for image-only prompts: transformers' own ``get_rope_index``, for images of
+    one temporal patch, which is what the image processor makes. (For more temporal patches, and after a
+    video, releases differ from the reference rule of formats.md, 4.57's, which the hand-computed tests
+    above pin.) Both its signatures: with ``mm_token_type_ids`` (newer releases) and without."""
+    import inspect
+
+    from rollplex.models.presets import meta_model
+
+    model = meta_model("tiny")
+    tokens = VisionTokens.from_config(model.config)
+    merge = tokens.spatial_merge_size
+    ids, grids = [], []
+    for kind, size in layout:
+        if kind == "text":
+            ids += [7] * size
+        else:
+            t, h, w = size
+            ids += [tokens.image_token_id] * (t * h * w // merge**2)
+            grids.append(size)
+    ids, grid = torch.tensor(ids), torch.tensor(grids)
+    mine, next_position = rope_positions(ids, tokens, image_grid_thw=grid)
+    hf_rope_index = model.model.get_rope_index
+    kwargs = {"image_grid_thw": grid}
+    if "mm_token_type_ids" in inspect.signature(hf_rope_index).parameters:
+        kwargs["mm_token_type_ids"] = (ids == tokens.image_token_id).int()[None]
+    theirs, delta = hf_rope_index(ids[None], **kwargs)
+    assert torch.equal(mine, theirs[:, 0]) and next_position - len(ids) == int(delta.flatten()[0])
