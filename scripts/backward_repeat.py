@@ -17,11 +17,11 @@ runs one pass that is discarded (it compiles where the deterministic flag change
 then ``--repeats`` kept passes; each kept pass's gradients (bf16, the model's dtype) are compared with
 the first kept pass's, parameter by parameter: bitwise equal or not, and the relative L2 difference.
 Equal means equal after the rounding to bf16, so a listed parameter is the first *visible* difference.
-Parameters are listed in backward order, the first 8 that differ: the LM head and final norm (a tied
-head's gradient is the embeddings'), then the layers from the last, each as its MLP (down, then gate/up),
-post-attention norm, o, q/k/v and input norm, then the vision tower from its merger and last block, then
-the embeddings. A varying kernel on a layer's input-gradient path shows first in the parameters of the
-layer below.
+Parameters are listed in backward order, the first 8 that differ: the LM head and final norm (a head tied
+to the embeddings, as in the 3B preset, is listed as the embeddings, last), then the layers from the
+last, each as its MLP (down, then gate/up), post-attention norm, o, q/k/v and input norm, then the vision
+tower from its merger and last block, then the embeddings. A varying kernel on a layer's input-gradient
+path shows first in the parameters of the layer below.
 ``ROLLPLEX_SUFFIX_ATTENTION`` picks the suffix attention as in training (recorded in the JSON).
 
 Usage (CUDA): python scripts/backward_repeat.py [SETTING ...] [--repeats 3] [--out repeat.json]
@@ -39,7 +39,7 @@ import torch
 
 from rollplex.bench.common import cuda_script_args, one_of
 from rollplex.bench.schedule import default_row
-from rollplex.loop import use_deterministic_algorithms
+from rollplex.loop import CUBLAS_WORKSPACE, use_deterministic_algorithms
 from rollplex.models.forward import suffix_backend
 from rollplex.phases import actor_backward, reference_phase, reward_phase, rollout_phase
 
@@ -48,7 +48,7 @@ LISTED = 8  # differing parameters listed per repeat
 _LAYER_PARTS = ("mlp.down", "mlp.", "post_attention", "o_proj", "_proj", "input_layernorm")
 
 
-def _set(setting: str) -> None:
+def _apply_setting(setting: str) -> None:
     if setting == "default":
         torch.use_deterministic_algorithms(False)
         return
@@ -100,7 +100,7 @@ def _compare(first: dict[str, torch.Tensor], again: dict[str, torch.Tensor]) -> 
     }
 
 
-def _setting(roles, scored, groups, repeats: int) -> dict:
+def _run_setting(roles, scored, groups, repeats: int) -> dict:
     """One setting's discarded pass and kept passes, each kept pass compared with the first kept."""
     warmup, _ = _backward(roles, scored, groups)
     seconds, grads = _backward(roles, scored, groups)
@@ -124,7 +124,7 @@ def main() -> None:
     args = cuda_script_args(__doc__, arguments)
     settings = args.settings or list(SETTINGS)
     if any(s != "default" for s in settings):
-        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # before cuBLAS's first handle
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", CUBLAS_WORKSPACE)  # before cuBLAS's first handle
     work, roles, _ = default_row("serial", torch.device("cuda"))
     cfg = roles.config
     rollout = rollout_phase(roles, work.prompts, cfg.rollout.group_size, roles.sampling)
@@ -137,8 +137,8 @@ def main() -> None:
         "settings": {},
     }
     for setting in settings:
-        _set(setting)
-        result = results["settings"][setting] = _setting(roles, scored, groups, args.repeats)
+        _apply_setting(setting)
+        result = results["settings"][setting] = _run_setting(roles, scored, groups, args.repeats)
         print(
             f"{setting}: discarded pass {result['warmup_seconds']:.3f} s, kept",
             [round(t, 3) for t in result["seconds"]],

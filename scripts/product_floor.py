@@ -102,14 +102,14 @@ def splitk() -> dict:
     return res
 
 
-WHATS = ("blas", "rows", "splitk")
+WHATS = {"blas": blas, "rows": rows, "splitk": splitk}  # --what: name -> measurement
 
 
 def _whats(value: str) -> list[str]:
-    """``--what``: a comma-separated list of WHATS (a usage error names the first other item)."""
+    """``--what``: a comma-separated list of WHATS names (a usage error names the first other item)."""
     items = value.split(",")
     for item in items:
-        one_of(WHATS)(item)
+        one_of(tuple(WHATS))(item)
     return items
 
 
@@ -124,7 +124,7 @@ def main() -> None:
     torch.manual_seed(0)
     res = {"gpu": torch.cuda.get_device_name()}
     for what in args.what:
-        res[what] = {"blas": blas, "rows": rows, "splitk": splitk}[what]()
+        res[what] = WHATS[what]()
         for key, value in res[what].items():
             print(f"{what} {key}: {value}", flush=True)
     if args.out:

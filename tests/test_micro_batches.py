@@ -238,6 +238,5 @@ def test_b11_the_dr_grpo_normaliser_is_the_configured_budget_not_the_batch_width
     roles8 = dataclasses.replace(roles, config=dataclasses.replace(roles.config, rollout=wider))
     at4 = _gradients(roles, scored, "seq-mean-token-sum-norm", 0)
     at8 = _gradients(roles8, scored, "seq-mean-token-sum-norm", 0)
-    scale = max(float(g.abs().max()) for g in at4.values())
-    assert scale > 0
-    assert all(torch.allclose(2 * at8[n], at4[n], rtol=0, atol=1e-12 * scale) for n in at4)
+    assert max(float(g.abs().max()) for g in at4.values()) > 0
+    assert at4.keys() == at8.keys() and all(torch.equal(2 * at8[n], at4[n]) for n in at4)

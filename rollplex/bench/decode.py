@@ -119,9 +119,9 @@ def run_decode_bench(cfg: DecodeBenchConfig, out: Path | None = None) -> DecodeB
     device, shape = prefix.keys[0].device, PromptShape(cfg.text_tokens, cfg.grid)
     result = DecodeBenchResult(config=asdict(cfg), copy_bandwidth_gbps=copy_bandwidth(device))
     for name in cfg.variants:
-        if VARIANTS[name].get("attention") == "triton" and not triton_runs(device):
-            reason = "skipped: Triton attention needs CUDA (or TRITON_INTERPRET=1 on the CPU)"
-            print(f"  {name}: {reason}", flush=True)
+        reason = _skip_reason(name, device)
+        if reason is not None:
+            print(f"  {name}: skipped: {reason}", flush=True)
             result.rows[name] = {"skipped": reason}
             continue
         tokens = cfg.eager_tokens if name == "eager" else cfg.response_tokens
@@ -191,12 +191,19 @@ class _NoText:
         return ""
 
 
+def _skip_reason(variant: str, device: torch.device) -> str | None:
+    """Why ``variant`` cannot run on ``device`` (None: it can)."""
+    if VARIANTS[variant].get("attention") == "triton" and not triton_runs(device):
+        return "Triton attention needs CUDA (or TRITON_INTERPRET=1 on the CPU)"
+    return None
+
+
 def _print(result: DecodeBenchResult) -> None:
     print(f"copy bandwidth {result.copy_bandwidth_gbps:.0f} GB/s, config {result.config}")
     print(f"{'variant':16} {'ms/step':>10} {'roofline ms':>12} {'ratio':>8}")
     for name, row in result.rows.items():
         if "error" in row or "skipped" in row:
-            print(f"{name:16} {row.get('error', row.get('skipped'))}")
+            print(f"{name:16} {row['error'] if 'error' in row else 'skipped: ' + row['skipped']}")
             continue
         print(
             f"{name:16} {row['ms_per_step']:10.3f} {row['roofline_ms_per_step']:12.3f} {row['roofline_ratio']:8.2f}"

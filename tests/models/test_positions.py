@@ -105,9 +105,7 @@ def test_image_positions_equal_transformers_get_rope_index(layout):
     """An independent oracle for image-only prompts: transformers' own ``get_rope_index``, for images of
     one temporal patch, which is what the image processor makes. (For more temporal patches, and after a
     video, releases differ from the reference rule of formats.md, 4.57's, which the hand-computed tests
-    above pin.) Both its signatures: with ``mm_token_type_ids`` (newer releases) and without."""
-    import inspect
-
+    above pin.) The signature is that of the supported releases (>= 5.17), which take the token types."""
     from rollplex.models.presets import meta_model
 
     model = meta_model("tiny")
@@ -123,9 +121,6 @@ def test_image_positions_equal_transformers_get_rope_index(layout):
             grids.append(size)
     ids, grid = torch.tensor(ids), torch.tensor(grids)
     mine, next_position = rope_positions(ids, tokens, image_grid_thw=grid)
-    hf_rope_index = model.model.get_rope_index
-    kwargs = {"image_grid_thw": grid}
-    if "mm_token_type_ids" in inspect.signature(hf_rope_index).parameters:
-        kwargs["mm_token_type_ids"] = (ids == tokens.image_token_id).int()[None]
-    theirs, delta = hf_rope_index(ids[None], **kwargs)
+    types = (ids == tokens.image_token_id).int()  # 0 text, 1 image
+    theirs, delta = model.model.get_rope_index(ids[None], types[None], image_grid_thw=grid)
     assert torch.equal(mine, theirs[:, 0]) and next_position - len(ids) == int(delta.flatten()[0])

@@ -200,7 +200,8 @@ def _has_graph(out) -> bool:
 
 
 def test_b17_vision_settings_under_checkpointing(models):
-    """B17's three settings, with activation checkpointing on: every trainable vision parameter gets a
+    """B17's three settings, with activation checkpointing on: the trainable vision blocks are recomputed
+    in the backward pass (and nothing is without checkpointing); every trainable vision parameter gets a
     nonzero gradient equal to the run without checkpointing; frozen blocks get no .grad, a frozen tower
     returns no autograd graph; the language model's gradients are the same in all three."""
     runs = {
