@@ -146,9 +146,8 @@ class Run:
     updates_skipped: int = 0  # optimizer updates dropped for a gradient norm that is not finite, whole run
 
 
-CUBLAS_WORKSPACE = (
-    ":4096:8"  # CUBLAS_WORKSPACE_CONFIG for deterministic cuBLAS (torch's reproducibility notes)
-)
+# CUBLAS_WORKSPACE_CONFIG for deterministic cuBLAS (torch's reproducibility notes)
+CUBLAS_WORKSPACE = ":4096:8"
 
 
 def use_deterministic_algorithms() -> None:

@@ -45,6 +45,11 @@ log = logging.getLogger(__name__)
 NEG_INF = float("-inf")
 
 
+class BackendUnavailable(ValueError):
+    """A decode backend that was asked for cannot run on this device (e.g. Triton attention on a CPU
+    without Triton's interpreter)."""
+
+
 @dataclass(frozen=True)
 class DecodeShape:
     """Sizes of one rollout's decode step (plain ints, so compiled code specialises on them)."""
@@ -776,7 +781,7 @@ def fused_gate_runs(device: torch.device) -> bool:
     return device.type == "cuda" and triton is not None
 
 
-def triton_runs(device: torch.device) -> bool:
+def _triton_runs(device: torch.device) -> bool:
     """Triton kernels can run on tensors of ``device``: CUDA, or the CPU under ``TRITON_INTERPRET=1``."""
     return device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
 
@@ -789,6 +794,8 @@ def _check_attention(name: str, device: torch.device, shape: DecodeShape) -> str
     if name == "auto":
         usable = device.type == "cuda" and supports(shape.heads, shape.kv_heads, shape.head_dim)
         return "triton" if usable else "dense"
-    if name == "triton" and not triton_runs(device):
-        raise ValueError("decode attention 'triton' runs on CUDA (or on the CPU under TRITON_INTERPRET=1)")
+    if name == "triton" and not _triton_runs(device):
+        raise BackendUnavailable(
+            "decode attention 'triton' runs on CUDA (or on the CPU under TRITON_INTERPRET=1)"
+        )
     return name

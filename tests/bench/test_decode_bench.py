@@ -39,7 +39,7 @@ def test_triton_rows_are_skipped_with_their_reason_where_triton_cannot_run(tmp_p
     )
     assert result.rows["eager"]["ms_per_step"] > 0
     assert result.rows["graphs+triton"] == {
-        "skipped": "Triton attention needs CUDA (or TRITON_INTERPRET=1 on the CPU)"
+        "skipped": "decode attention 'triton' runs on CUDA (or on the CPU under TRITON_INTERPRET=1)"
     }
     assert "failed" not in capsys.readouterr().out
 
