@@ -113,14 +113,17 @@ def _at_least(minimum: int) -> Callable[[str], int]:
     return integer
 
 
+def _integers(text: str, expected: str) -> tuple[int, ...]:
+    """Comma-separated integers; anything else is an argparse usage error saying ``expected``."""
+    try:
+        return tuple(int(x) for x in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected {expected}, got {text!r}") from None
+
+
 def _grid(text: str) -> tuple[int, int, int]:
     """An argparse type: a video patch grid t,h,w, each at least 1, h and w even (2×2 patches merge)."""
-    try:
-        parts = tuple(int(x) for x in text.split(","))
-    except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"expected t,h,w integers (patch grid of the video), got {text!r}"
-        ) from None
+    parts = _integers(text, "t,h,w integers (patch grid of the video)")
     if len(parts) != 3 or min(parts) < 1 or parts[1] % 2 or parts[2] % 2:
         raise argparse.ArgumentTypeError(
             f"expected t,h,w (patch grid of the video), each at least 1, h and w even, got {text!r}"
@@ -130,10 +133,7 @@ def _grid(text: str) -> tuple[int, int, int]:
 
 def _counts(text: str) -> tuple[int, ...]:
     """An argparse type: comma-separated integers, each at least 1."""
-    try:
-        values = tuple(int(x) for x in text.split(","))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+    values = _integers(text, "comma-separated integers")
     if min(values) < 1:
         raise argparse.ArgumentTypeError(f"each value must be at least 1, got {text!r}")
     return values
