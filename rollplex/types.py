@@ -106,6 +106,8 @@ class PrefixState:
         keys, values: per layer, [G, H_kv, P_max, D] in the model dtype, keys after RoPE; positions
             at or beyond ``prompt_lens[g]`` are padding and are never attended.
         prompt_lens: int64 [G].
+        host_prompt_lens: the same G lengths on the host (the suffix attention slices each group's
+            boundary by them without reading ``prompt_lens`` back).
         next_position: int64 [G], 3D position of the first response token of each group.
         last_logprobs: float32 [G, V], log-probs (trainer definition, see rollout.sampler) at the last
             prompt position; they score the first response token.
@@ -113,7 +115,7 @@ class PrefixState:
         attached: True for the actor prefix (autograd graph kept), False for detached prefixes.
 
     Example:
-        PrefixState(keys=[k0, k1], values=[v0, v1], prompt_lens=tensor([30, 41]),
+        PrefixState(keys=[k0, k1], values=[v0, v1], prompt_lens=tensor([30, 41]), host_prompt_lens=(30, 41),
                     next_position=tensor([25, 33]), last_logprobs=lp[2, V], content_keys=["ab..", "cd.."],
                     attached=False)
     """
@@ -121,6 +123,7 @@ class PrefixState:
     keys: list[torch.Tensor]
     values: list[torch.Tensor]
     prompt_lens: torch.Tensor
+    host_prompt_lens: tuple[int, ...]
     next_position: torch.Tensor
     last_logprobs: torch.Tensor
     content_keys: list[str]

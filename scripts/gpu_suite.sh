@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # GPU tests and benchmarks in one call. Usage: scripts/gpu_suite.sh [tests] [train] [prefix] [decode] [schedule]
-# [profile] [same] [same-det] (no argument = all but the last three; profile: one serial GRPO step profiled,
+# [profile] [same] [same-det] (no argument = all but the last three; prefix: rollplex bench prefix and the
+# suffix attention per backend, scripts/suffix_attention_probe.py; profile: one serial GRPO step profiled,
 # idle time by launcher; same: whether each schedule's update is serial's, and serial's its own from run to
 # run, about 6 minutes; same-det: the same with torch's deterministic algorithms, about 6.5 minutes; tests:
 # 7.5-9.5 minutes, much of it compiling).
@@ -14,7 +15,7 @@
 # (docs/benchmarks.md shows how to download them there).
 # Python: the python3 on PATH (activate the environment that has torch first).
 set -uo pipefail
-usage() { sed -n '2,15p' "$0" | sed 's/^# \{0,1\}//'; }
+usage() { sed -n '2,16p' "$0" | sed 's/^# \{0,1\}//'; }
 gpu_tests="tests/numerics tests/schedule tests/rollout tests/models tests/bench/test_fingerprint.py"
 stages=${*:-tests train prefix decode schedule}
 for stage in $stages; do
@@ -58,7 +59,9 @@ for stage in $stages; do
         run.out_dir="$WORK/run-3b" run.progress=false --overwrite 2>&1 | tee "$OUT/train.log" || status=1
       cp "$WORK/run-3b/metrics.jsonl" "$OUT/train-metrics.jsonl" 2>/dev/null ;;
     prefix)
-      rollplex bench prefix --out "$OUT/bench-prefix.json" 2>&1 | tee "$OUT/bench-prefix.log" || status=1 ;;
+      rollplex bench prefix --out "$OUT/bench-prefix.json" 2>&1 | tee "$OUT/bench-prefix.log" || status=1
+      python3 scripts/suffix_attention_probe.py --out "$OUT/suffix-attention.json" > "$OUT/suffix-attention.log" 2>&1 \
+        || status=1 ;;
     decode)
       rollplex bench decode --out "$OUT/bench-decode.json" 2>&1 | tee "$OUT/bench-decode.log" || status=1 ;;
     profile)

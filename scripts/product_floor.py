@@ -23,7 +23,7 @@ from collections.abc import Iterator
 import torch
 import torch.nn.functional as F
 
-from rollplex.bench.common import cuda_script_args, one_of, replay_us
+from rollplex.bench.common import comma_list_of, cuda_script_args, replay_us
 
 LAYERS = 36
 SHAPES = {"qkv": (2560, 2048), "o": (2048, 2048), "gate_up": (22016, 2048), "down": (2048, 11008)}
@@ -105,18 +105,13 @@ def splitk() -> dict:
 WHATS = {"blas": blas, "rows": rows, "splitk": splitk}  # --what: name -> measurement
 
 
-def _whats(value: str) -> list[str]:
-    """``--what``: a comma-separated list of WHATS names (a usage error names the first other item)."""
-    items = value.split(",")
-    for item in items:
-        one_of(tuple(WHATS))(item)
-    return items
-
-
 def main() -> None:
     def arguments(parser: argparse.ArgumentParser) -> None:
         parser.add_argument(
-            "--what", default="blas,rows", type=_whats, help=f"comma-separated, any of {', '.join(WHATS)}"
+            "--what",
+            default="blas,rows",
+            type=comma_list_of(tuple(WHATS)),
+            help=f"comma-separated, any of {', '.join(WHATS)}",
         )
         parser.add_argument("--out", help="write the results as JSON here")
 

@@ -207,6 +207,19 @@ def one_of(choices: tuple[str, ...]) -> Callable[[str], str]:
     return check
 
 
+def comma_list_of(choices: tuple[str, ...]) -> Callable[[str], list[str]]:
+    """An argparse ``type`` for a comma-separated list of ``choices`` (a usage error names the first
+    other item, as ``one_of`` does)."""
+
+    def check(value: str) -> list[str]:
+        items = value.split(",")
+        for item in items:
+            one_of(choices)(item)
+        return items
+
+    return check
+
+
 def cuda_script_args(
     doc: str, add_arguments: Callable[[argparse.ArgumentParser], None] | None = None
 ) -> argparse.Namespace:

@@ -26,9 +26,16 @@ Rows (each from the same initial weights and optimizer state, same prompts and s
                           serial-whole-batch, which accumulates its gradient the same way)
     serial-again          serial once more: whether serial's own update is the same from run to run
                           (its parameter and optimizer differences are against serial's)
+    serial-causal         serial, the suffix attention as one SDPA call per group with a bottom-right
+                          causal mask over each response's [boundary ; own keys] (flash attention;
+                          ROLLPLEX_SUFFIX_ATTENTION=causal for the row)
+    both-causal           both, likewise
+    serial-sdpa           serial, the suffix attention as one masked SDPA call per layer over the
+                          group's [boundary ; all responses' keys] (ROLLPLEX_SUFFIX_ATTENTION=sdpa)
+    both-sdpa             both, likewise
     serial-flex           serial, the suffix attention as flex_attention with a block mask, which skips
                           the blocks where a response would see another response's keys
-                          (ROLLPLEX_SUFFIX_ATTENTION=flex for the row; the others use masked SDPA on CUDA)
+                          (ROLLPLEX_SUFFIX_ATTENTION=flex for the row; the others use the default)
     both-flex             both, likewise
 
 Warm-up iterations (allocator growth, graph capture, compilation, and auto's policy trials) are

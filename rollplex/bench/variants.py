@@ -47,6 +47,7 @@ DECODE_VARIANTS = {
 DEFAULT_VARIANTS = tuple(name for name in DECODE_VARIANTS if not name.endswith("+autotune"))
 
 _BOTH = {"run.schedule": "rollplex", "run.overlap": True, "run.prefill_fusion": True}
+_SUFFIX_ROWS = ("causal", "sdpa", "flex")  # the suffix attention backends with rows of their own
 ROWS = {
     "serial": {"run.schedule": "serial"},
     "overlap": {"run.schedule": "rollplex", "run.overlap": True, "run.prefill_fusion": False},
@@ -64,13 +65,14 @@ ROWS = {
     "serial-whole-batch": {"run.schedule": "serial", "algo.micro_batch_groups": 0},
     "both-whole-batch": {**_BOTH, "algo.micro_batch_groups": 0},
     "serial-again": {"run.schedule": "serial"},
-    "serial-flex": {"run.schedule": "serial"},
-    "both-flex": _BOTH,
+    **{f"serial-{name}": {"run.schedule": "serial"} for name in _SUFFIX_ROWS},
+    **{f"both-{name}": _BOTH for name in _SUFFIX_ROWS},
 }
 # environment variables set while a row runs (the suffix attention backend is read at each call)
 ROW_ENV = {
-    "serial-flex": {"ROLLPLEX_SUFFIX_ATTENTION": "flex"},
-    "both-flex": {"ROLLPLEX_SUFFIX_ATTENTION": "flex"},
+    f"{row}-{name}": {"ROLLPLEX_SUFFIX_ATTENTION": name}
+    for name in _SUFFIX_ROWS
+    for row in ("serial", "both")
 }
 # the row each row is compared with (speedup, saving, parameter difference): the serial row that
 # splits its mini-batch into the same micro-batches, so its gradient sums in the same order

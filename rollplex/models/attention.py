@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention.bias import causal_lower_right
 
 from rollplex.models.transfer import stream_key, to_device
 
@@ -48,10 +49,13 @@ class SuffixPlan:
         prefix_keys, prefix_values: per layer [G, Hkv, P_max, D].
         prefix_lens: int64 [G]; keys at index >= prefix_lens[g] are padding.
         group_size: N; query row b belongs to group b // N.
-        backend: "dense" (exact reference, any device), "sdpa" (one masked SDPA call per layer over
-            [boundary KV ; own keys], memory-efficient kernels on CUDA) or "flex" (flex_attention).
-        mask: the backend's mask — None (dense), bool [G, 1, N·R, P_max + N·R] (sdpa, see
+        backend: "dense" (exact reference, any device), "causal" (per group, one SDPA call over the N
+            responses, each against [its group's boundary KV ; its own keys] with a bottom-right causal
+            mask: flash attention on CUDA, see ``causal_shared_prefix_attention``), "sdpa" (one masked
+            SDPA call per layer over [boundary KV ; all N responses' keys]) or "flex" (flex_attention).
+        mask: the backend's mask — None (dense, causal), bool [G, 1, N·R, P_max + N·R] (sdpa, see
             ``suffix_bool_mask``) or a flex BlockMask (``suffix_block_mask``).
+        host_prompt_lens: the G prompt lengths on the host (causal slices each group's boundary by them).
     """
 
     prefix_keys: list[torch.Tensor]
@@ -60,6 +64,28 @@ class SuffixPlan:
     group_size: int
     backend: str = "dense"
     mask: object | None = None
+    host_prompt_lens: tuple[int, ...] = ()
+
+
+def suffix_plan(prefix, group_size: int, length: int, backend: str) -> SuffixPlan:
+    """The ``SuffixPlan`` of responses scored against ``prefix`` (a ``types.PrefixState``): ``length``
+    suffix positions per response (R), ``group_size`` responses per group (N), with ``backend``'s mask
+    (``SuffixPlan.mask``) made once for all layers."""
+    plan = SuffixPlan(
+        prefix.keys,
+        prefix.values,
+        prefix.prompt_lens,
+        group_size,
+        backend,
+        host_prompt_lens=prefix.host_prompt_lens,
+    )
+    p_max = prefix.keys[0].shape[2]
+    if backend == "sdpa":
+        allowed = suffix_bool_mask(prefix.prompt_lens, p_max, group_size, length)
+        plan.mask = suffix_additive_mask(allowed, prefix.keys[0].dtype)
+    elif backend == "flex":
+        plan.mask = suffix_block_mask(prefix.prompt_lens, p_max, group_size, length)
+    return plan
 
 
 def rollplex_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
@@ -84,11 +110,7 @@ def rollplex_attention(module, query, key, value, attention_mask, scaling=None, 
             query, key, value, is_causal=True, scale=scaling, enable_gqa=True
         )
         return out.transpose(1, 2), None
-    if plan.backend == "sdpa":
-        return sdpa_shared_prefix_attention(query, key, value, plan, layer, scaling), None
-    if plan.backend == "flex":
-        return flex_shared_prefix_attention(query, key, value, plan, layer, scaling), None
-    return shared_prefix_attention(query, key, value, plan, layer, scaling), None
+    return SUFFIX_ATTENTION[plan.backend](query, key, value, plan, layer, scaling), None
 
 
 def shared_prefix_attention(
@@ -204,6 +226,56 @@ def suffix_additive_mask(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Ten
     return mask
 
 
+def causal_shared_prefix_attention(query, own_keys, own_values, plan: SuffixPlan, layer: int, scaling):
+    """Suffix attention as one SDPA call per group and layer: the group's N responses are the batch, and
+    each attends to [its group's P_g boundary keys ; its own R keys] under a bottom-right causal mask
+    (``torch.nn.attention.bias.causal_lower_right``): response query i sees every boundary key and its
+    own keys 0..i, the same keys as a full-sequence causal forward. No mask tensor is read and the
+    masked-out block (other responses' keys, a response's later keys) is skipped rather than computed:
+    with P_g = 3,920 and N = 8 responses of R = 512, the scores computed fall from N·R × (P_g + N·R)
+    to about N·R × (P_g + R/2), a little over half. The boundary is sliced to its P_g valid keys (host
+    lengths, no read-back) and concatenated once per response; the gradient of the N copies sums
+    into the group's boundary KV.
+
+    On CUDA in bf16/fp16 the call runs flash attention, which takes the key/value heads as they are
+    (grouped-query attention) and has a deterministic backward under
+    ``torch.use_deterministic_algorithms``; otherwise (the CPU, float32/64) SDPA runs on the
+    materialised mask, the same arithmetic.
+
+    Args:
+        query: [B, H, R, D]; own_keys/own_values: [B, Hkv, R, D]; B = G·N.
+        plan: the boundary KV per layer [G, Hkv, P_max, D] and ``host_prompt_lens`` (G lengths).
+
+    Returns:
+        [B, R, H, D].
+    """
+    n, r = plan.group_size, query.shape[2]
+    outs = []
+    for g, length in enumerate(plan.host_prompt_lens):
+        rows = slice(g * n, (g + 1) * n)
+        keys = _response_keys(plan.prefix_keys[layer], g, length, own_keys[rows])
+        values = _response_keys(plan.prefix_values[layer], g, length, own_values[rows])
+        outs.append(
+            F.scaled_dot_product_attention(
+                query[rows],
+                keys,
+                values,
+                attn_mask=causal_lower_right(r, length + r),
+                scale=scaling,
+                enable_gqa=True,
+            )
+        )
+    out = outs[0] if len(outs) == 1 else torch.cat(outs)
+    return out.transpose(1, 2)
+
+
+def _response_keys(boundary: torch.Tensor, group: int, length: int, own: torch.Tensor) -> torch.Tensor:
+    """[N, Hkv, length + R, D]: group ``group``'s first ``length`` boundary keys (or values) of
+    ``boundary`` [G, Hkv, P_max, D], then each response's own R, from ``own`` [N, Hkv, R, D]."""
+    n = own.shape[0]
+    return torch.cat([boundary[group : group + 1, :, :length].expand(n, -1, -1, -1), own], dim=2)
+
+
 def sdpa_shared_prefix_attention(query, own_keys, own_values, plan: SuffixPlan, layer: int, scaling):
     """Suffix attention as one masked SDPA call per layer: per group, the N suffixes form one query
     sequence of N·R tokens against [boundary KV ; N·R own keys] with ``suffix_bool_mask``. The boundary
@@ -255,6 +327,15 @@ def flex_shared_prefix_attention(query, own_keys, own_values, plan: SuffixPlan, 
     out = _flex()(_fold(query, b // n, n), keys, values, block_mask=plan.mask, scale=scaling, enable_gqa=True)
     return _unfold(out, n, r)
 
+
+# the suffix attention of each backend (SuffixPlan.backend): (query, own keys, own values, plan, layer,
+# scaling) -> [B, R, H, D]
+SUFFIX_ATTENTION = {
+    "dense": shared_prefix_attention,
+    "causal": causal_shared_prefix_attention,
+    "sdpa": sdpa_shared_prefix_attention,
+    "flex": flex_shared_prefix_attention,
+}
 
 # "flash" in the name makes transformers' Qwen2.5-VL vision attention pass the packed chunk boundaries
 # (cu_seqlens) in one call instead of calling once per chunk (is_flash_attention_requested).

@@ -23,13 +23,11 @@ from torch.utils.checkpoint import checkpoint
 from rollplex.config import VISION_ATTENTION
 from rollplex.models.attention import (
     ATTENTION_NAME,
+    SUFFIX_ATTENTION,
     VISION_ATTENTION_NAME,
     PrefixPlan,
-    SuffixPlan,
     register,
-    suffix_additive_mask,
-    suffix_block_mask,
-    suffix_bool_mask,
+    suffix_plan,
 )
 from rollplex.models.compiled import (
     check_scope,
@@ -207,6 +205,7 @@ def prefix_states(
                     keys=[plan.keys[i] for i in range(len(plan.keys))],
                     values=[plan.values[i] for i in range(len(plan.values))],
                     prompt_lens=torch.full((1,), prompt.length, device=device),
+                    host_prompt_lens=(prompt.length,),
                     next_position=torch.full((1,), prompt.next_position, device=device),
                     last_logprobs=token_logprobs(logits, temperature, banned_ids.to(device)),
                     content_keys=[prompt.content_key],
@@ -226,6 +225,7 @@ def merge_prefixes(states: list[PrefixState]) -> PrefixState:
         keys=[_pad_stack([s.keys[i] for s in states], p_max) for i in range(layers)],
         values=[_pad_stack([s.values[i] for s in states], p_max) for i in range(layers)],
         prompt_lens=lens,
+        host_prompt_lens=tuple(n for s in states for n in s.host_prompt_lens),
         next_position=torch.cat([s.next_position for s in states]),
         last_logprobs=torch.cat([s.last_logprobs for s in states]),
         content_keys=[key for s in states for key in s.content_keys],
@@ -239,6 +239,7 @@ def detach_prefix(state: PrefixState) -> PrefixState:
         keys=[k.detach() for k in state.keys],
         values=[v.detach() for v in state.values],
         prompt_lens=state.prompt_lens,
+        host_prompt_lens=state.host_prompt_lens,
         next_position=state.next_position,
         last_logprobs=state.last_logprobs.detach(),
         content_keys=list(state.content_keys),
@@ -286,14 +287,7 @@ def suffix_logprobs(
     if length == 1:
         ent = entropy_of(first_lp.detach())[:, None] if with_entropy else None
         return first, ent
-    backend = suffix_backend(responses.device)
-    plan = SuffixPlan(prefix.keys, prefix.values, prefix.prompt_lens, group_size, backend)
-    p_max = prefix.keys[0].shape[2]
-    if backend == "sdpa":
-        allowed = suffix_bool_mask(prefix.prompt_lens, p_max, group_size, length - 1)
-        plan.mask = suffix_additive_mask(allowed, prefix.keys[0].dtype)
-    elif backend == "flex":
-        plan.mask = suffix_block_mask(prefix.prompt_lens, p_max, group_size, length - 1)
+    plan = suffix_plan(prefix, group_size, length - 1, suffix_backend(responses.device))
     embeds = lm.embed_tokens(responses[:, :-1])
     positions = response_positions(prefix.next_position, length - 1, group_size)
     hidden = _decoder(model, embeds, positions, plan)
@@ -309,17 +303,18 @@ def suffix_logprobs(
 LOGIT_CHUNK_ELEMENTS = 2**28  # logits computed at a time (1 GiB in fp32), per chunk of rows
 
 
-SUFFIX_BACKENDS = ("dense", "sdpa", "flex")
+SUFFIX_BACKENDS = tuple(SUFFIX_ATTENTION)  # dense, causal, sdpa, flex
 
 
 def suffix_backend(device: torch.device) -> str:
-    """Suffix attention backend: ``$ROLLPLEX_SUFFIX_ATTENTION`` if set (dense | sdpa | flex), else
-    masked SDPA on CUDA and the dense reference path on the CPU (flex_attention has no CPU backward).
+    """Suffix attention backend: ``$ROLLPLEX_SUFFIX_ATTENTION`` if set (dense | causal | sdpa | flex),
+    else causal on CUDA (flash attention per group, ``models.attention.causal_shared_prefix_attention``)
+    and the dense reference path on the CPU (flex_attention has no CPU backward).
 
     Raises:
         ValueError: an unknown backend name.
     """
-    name = os.environ.get("ROLLPLEX_SUFFIX_ATTENTION", "sdpa" if device.type == "cuda" else "dense")
+    name = os.environ.get("ROLLPLEX_SUFFIX_ATTENTION", "causal" if device.type == "cuda" else "dense")
     if name not in SUFFIX_BACKENDS:
         raise ValueError(f"ROLLPLEX_SUFFIX_ATTENTION={name!r}: expected one of {SUFFIX_BACKENDS}")
     return name

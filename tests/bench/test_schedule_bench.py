@@ -64,9 +64,9 @@ def test_a_row_whose_layers_ran_uncompiled_says_so(monkeypatch, capsys):
     assert "serial: layers ran uncompiled: InductorError: no Triton" in capsys.readouterr().out
 
 
-def test_the_flex_rows_select_flex_attention_while_they_run(monkeypatch):
-    """serial-flex and both-flex run with ROLLPLEX_SUFFIX_ATTENTION=flex (so models.forward picks the
-    flex suffix path), and the variable is as it was before them once they end."""
+def test_the_suffix_attention_rows_select_their_backend_while_they_run(monkeypatch):
+    """serial-X and both-X run with ROLLPLEX_SUFFIX_ATTENTION=X (so models.forward picks that suffix
+    path) for X in causal, sdpa and flex, and the variable is as it was before them once they end."""
     import rollplex.bench.schedule as schedule
     from rollplex.models.forward import suffix_backend
 
@@ -78,13 +78,15 @@ def test_the_flex_rows_select_flex_attention_while_they_run(monkeypatch):
 
     monkeypatch.setattr(schedule, "_timed_row", timed)
     monkeypatch.setenv("ROLLPLEX_SUFFIX_ATTENTION", "dense")
-    for name in ("serial", "serial-flex", "both-flex", "both"):
+    names = [f"{row}-{x}" for x in ("causal", "sdpa", "flex") for row in ("serial", "both")]
+    for name in ("serial", *names, "both"):
         schedule._run_row(None, name, None)
-    assert seen == {"serial": "dense", "serial-flex": "flex", "both-flex": "flex", "both": "dense"}
+    assert seen == {"serial": "dense", "both": "dense", **{name: name.split("-")[1] for name in names}}
     monkeypatch.delenv("ROLLPLEX_SUFFIX_ATTENTION")
     schedule._run_row(None, "both-flex", None)
     assert "ROLLPLEX_SUFFIX_ATTENTION" not in os.environ and seen["both-flex"] == "flex"
-    assert ROWS["serial-flex"] == ROWS["serial"] and ROWS["both-flex"] == ROWS["both"]
+    for x in ("causal", "sdpa", "flex"):
+        assert ROWS[f"serial-{x}"] == ROWS["serial"] and ROWS[f"both-{x}"] == ROWS["both"]
 
 
 def test_updates_are_compared_with_the_baselines_as_a_relative_l2_difference():

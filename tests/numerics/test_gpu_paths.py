@@ -8,6 +8,7 @@ relative on gradients; bf16 rollout-recorded vs trainer log-probs max |Δ| ≤ 0
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import os
 
@@ -47,38 +48,89 @@ def _score(model, prompts, responses, attached):
     return suffix_logprobs(model, prefix, responses, group_size=N, temperature=T, banned_ids=BANNED)[0]
 
 
-def _with_backend(name):
+def _scored_with(backend, model, prompts, responses):
+    """``_score`` (attached) and its backward under the suffix attention ``backend``: the log-probs, every
+    parameter's gradient, and the names of the CUDA kernels that ran."""
+    from torch.profiler import ProfilerActivity, profile
+
+    model.zero_grad(set_to_none=True)
+    with _suffix_backend(backend), profile(activities=[ProfilerActivity.CUDA]) as prof:
+        lp = _score(model, prompts, responses, attached=True)
+        _weighted(lp).backward()
+        torch.cuda.synchronize()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    return lp.detach(), grads, {e.key for e in prof.key_averages()}
+
+
+def _weighted(lp):
+    """A loss that weights the rows differently: -1 .. 1 down the batch."""
+    return (lp * torch.linspace(-1, 1, lp.shape[0], dtype=lp.dtype, device=lp.device)[:, None]).sum()
+
+
+@contextlib.contextmanager
+def _suffix_backend(name):
+    """``ROLLPLEX_SUFFIX_ATTENTION`` set to ``name`` inside, as it was after."""
     old = os.environ.get("ROLLPLEX_SUFFIX_ATTENTION")
     os.environ["ROLLPLEX_SUFFIX_ATTENTION"] = name
-    return old
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop("ROLLPLEX_SUFFIX_ATTENTION", None)
+        else:
+            os.environ["ROLLPLEX_SUFFIX_ATTENTION"] = old
 
 
-@pytest.mark.parametrize(("backend", "length"), [("sdpa", 20), ("sdpa", 9), ("flex", 9)])
+def _responses(count, length):
+    g = torch.Generator().manual_seed(3)
+    return torch.randint(3, 150, (count, length), generator=g).cuda()
+
+
+@pytest.mark.parametrize(
+    ("backend", "length"), [("causal", 20), ("causal", 9), ("sdpa", 20), ("sdpa", 9), ("flex", 9)]
+)
 def test_fused_suffix_matches_dense(models, backend, length):
-    """sdpa (the CUDA default) at any length; flex (opt-in) at a length its compiled kernel accepts."""
+    """causal (the CUDA default) and sdpa at any length; flex (opt-in) at a length its compiled kernel
+    accepts. In float32 causal runs SDPA on its materialised mask (flash attention takes bf16/fp16: the
+    next test)."""
     torch.backends.cuda.matmul.allow_tf32 = False
     model = copy.deepcopy(models[0]).float().cuda()
     prompts = _prompts("cuda", torch.float32)
-    g = torch.Generator().manual_seed(3)
-    responses = torch.randint(3, 150, (len(prompts) * N, length), generator=g).cuda()
-    results = {}
-    for backend_name in ("dense", backend):
-        old = _with_backend(backend_name)
-        try:
-            model.zero_grad(set_to_none=True)
-            lp = _score(model, prompts, responses, attached=True)
-            (lp * torch.linspace(-1, 1, lp.shape[0], device="cuda")[:, None]).sum().backward()
-            results[backend_name] = (lp.detach(), {n: p.grad.clone() for n, p in model.named_parameters()})
-        finally:
-            if old is None:
-                os.environ.pop("ROLLPLEX_SUFFIX_ATTENTION", None)
-            else:
-                os.environ["ROLLPLEX_SUFFIX_ATTENTION"] = old
-    (lp_d, g_d), (lp_f, g_f) = results["dense"], results[backend]
+    responses = _responses(len(prompts) * N, length)
+    lp_d, g_d, _ = _scored_with("dense", model, prompts, responses)
+    lp_f, g_f, _ = _scored_with(backend, model, prompts, responses)
     assert (lp_d - lp_f).abs().max() <= 1e-4
     for name, grad in g_d.items():
         rel = (grad - g_f[name]).norm() / grad.norm().clamp_min(1e-12)
         assert rel <= 1e-3, (name, float(rel))
+
+
+def test_causal_suffix_runs_flash_attention_in_bf16(models):
+    """bf16 on CUDA: the causal suffix attention runs flash attention (its kernels ran, masked SDPA's did
+    not need to), and its log-probs and gradients are as close to the float64 oracle (dense, on the CPU)
+    as masked SDPA's: log-probs within B01's bf16 reference (0.05 max, 2e-3 mean), and the gradient's
+    relative L2 error at most twice masked SDPA's, plus 1e-3."""
+    model = _bf16_model(models[0])
+    prompts = _prompts("cuda", torch.bfloat16)
+    responses = _responses(len(prompts) * N, 20)
+    oracle = copy.deepcopy(models[0])
+    oracle.zero_grad(set_to_none=True)
+    with _suffix_backend("dense"):
+        want = _score(oracle, _prompts("cpu", torch.float64), responses.cpu(), attached=True)
+        _weighted(want).backward()
+    want_grad = torch.cat([p.grad.flatten() for p in oracle.parameters()])
+    errors = {}
+    for backend in ("causal", "sdpa"):
+        lp, grads, kernels = _scored_with(backend, model, prompts, responses)
+        got = torch.cat([g.flatten() for g in grads.values()]).double().cpu()
+        errors[backend] = (lp.double().cpu() - want.detach(), (got - want_grad).norm() / want_grad.norm())
+        if backend == "causal":
+            assert any("flash" in k.lower() for k in kernels), sorted(kernels)
+    diff, rel = errors["causal"]
+    print(f"causal vs float64: log-probs max {float(diff.abs().max()):.3g}, gradient {float(rel):.3g}")
+    print(f"sdpa vs float64: gradient {float(errors['sdpa'][1]):.3g}")
+    assert diff.abs().max() <= 0.05 and diff.abs().mean() <= 2e-3
+    assert rel <= 2 * errors["sdpa"][1] + 1e-3
 
 
 def _bf16_model(model):

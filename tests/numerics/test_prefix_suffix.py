@@ -37,7 +37,7 @@ def _oracle_rows(oracle, prompts, responses, lens, banned=BANNED):
     ]
 
 
-BACKENDS = pytest.mark.parametrize("backend", ["dense", "sdpa"])
+BACKENDS = pytest.mark.parametrize("backend", ["dense", "causal", "sdpa"])
 
 
 @BACKENDS
