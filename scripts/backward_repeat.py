@@ -133,7 +133,7 @@ def main() -> None:
     results = {
         "gpu": torch.cuda.get_device_name(),
         "torch": torch.__version__,
-        "suffix_attention": suffix_backend(torch.device("cuda")),
+        "suffix_attention": suffix_backend(torch.device("cuda"), next(roles.actor.parameters()).dtype),
         "settings": {},
     }
     for setting in settings:

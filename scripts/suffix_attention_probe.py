@@ -1,7 +1,7 @@
 """The suffix attention of one decoder layer at the 3B shape, per backend: milliseconds per forward and
 per forward + backward, peak memory, the error against float64 dense attention on the same inputs,
 whether the backward repeats bit for bit (default kernels and torch's deterministic algorithms), and the
-attention kernels it launched.
+five longest kernels of one forward + backward.
 
 The shape is the schedule bench's workload: each group's N = 8 responses of R = 511 suffix positions
 against its 3,920-key boundary, H = 16 query and Hkv = 2 key/value heads of D = 128, bf16; ``--groups``
@@ -11,8 +11,10 @@ with respect to the queries, the responses' own keys and values, and the boundar
 actor's boundary is attached), against one fixed random output gradient.
 
 Errors are relative L2 norms against float64 dense attention (``dense`` computed in float64 on the
-same bf16 inputs), for the output and each gradient, with one group only. Timings are medians over ``--repeats`` calls, each
-synchronised; the deterministic timings run under ``torch.use_deterministic_algorithms(True)``.
+same bf16 inputs), for the output and each gradient, with one group only. Each backend's plan (its mask
+for ``sdpa`` and ``flex``) is made once, as a suffix pass makes it once for all its layers, and is not
+timed. Timings are medians over ``--repeats`` calls, each synchronised; the deterministic timings run
+under ``torch.use_deterministic_algorithms(True)``.
 
 Usage (CUDA): python scripts/suffix_attention_probe.py [--backends causal,sdpa,dense] [--groups 1]
     [--repeats 10] [--out probe.json]
@@ -29,7 +31,7 @@ import torch
 
 from rollplex.bench.common import comma_list_of, cuda_script_args, timed
 from rollplex.loop import CUBLAS_WORKSPACE
-from rollplex.models.attention import SUFFIX_ATTENTION, suffix_plan
+from rollplex.models.attention import SUFFIX_ATTENTION, SuffixPlan, suffix_plan
 from rollplex.types import PrefixState
 
 N, R, P, H, HKV, D = 8, 511, 3920, 16, 2, 128
@@ -52,8 +54,9 @@ def make_inputs(groups: int, seed: int = 0) -> dict[str, torch.Tensor]:
     }
 
 
-def attention(backend: str, x: dict[str, torch.Tensor]) -> torch.Tensor:
-    """[G·N, R, H, D]: ``backend``'s suffix attention of layer 0 on the inputs ``x``."""
+def make_plan(backend: str, x: dict[str, torch.Tensor]) -> SuffixPlan:
+    """``backend``'s plan over the boundary of ``x``, its mask included, made once as a suffix pass makes
+    it once for all its layers (so the timings below leave it out)."""
     groups = x["boundary_keys"].shape[0]
     lens = torch.full((groups,), P, device="cuda")
     prefix = PrefixState(
@@ -61,60 +64,66 @@ def attention(backend: str, x: dict[str, torch.Tensor]) -> torch.Tensor:
         values=[x["boundary_values"]],
         prompt_lens=lens,
         host_prompt_lens=(P,) * groups,
-        next_position=lens,
-        last_logprobs=lens,
+        next_position=lens,  # not read by the suffix attention
+        last_logprobs=lens,  # likewise
         content_keys=[""] * groups,
         attached=True,
     )
-    plan = suffix_plan(prefix, N, R, backend)
-    return SUFFIX_ATTENTION[backend](x["query"], x["own_keys"], x["own_values"], plan, 0, D**-0.5)
+    return suffix_plan(prefix, N, R, backend)
 
 
-def forward_backward(backend: str, x: dict[str, torch.Tensor], grad: torch.Tensor) -> dict:
+def attention(plan: SuffixPlan, x: dict[str, torch.Tensor]) -> torch.Tensor:
+    """[G·N, R, H, D]: the plan's suffix attention of layer 0 on the inputs ``x``."""
+    return SUFFIX_ATTENTION[plan.backend](x["query"], x["own_keys"], x["own_values"], plan, 0, D**-0.5)
+
+
+def forward_backward(plan: SuffixPlan, x: dict[str, torch.Tensor], grad: torch.Tensor) -> dict:
     """The output and the gradient of every input, from cleared gradients."""
     for t in x.values():
         t.grad = None
-    out = attention(backend, x)
+    out = attention(plan, x)
     out.backward(grad)
     return {"output": out.detach(), **{name: x[name].grad for name in INPUTS}}
 
 
 def rel_errors(got: dict, want: dict) -> dict[str, float]:
+    """‖got − want‖ / ‖want‖ per entry (output and each gradient), in float64."""
     return {k: float((got[k].double() - want[k]).norm() / want[k].norm().clamp_min(1e-300)) for k in want}
 
 
-def kernels(backend: str, x: dict, grad: torch.Tensor) -> dict[str, float]:
+def longest_kernels(plan: SuffixPlan, x: dict, grad: torch.Tensor) -> dict[str, float]:
     """The five longest CUDA kernels of one forward + backward, µs each."""
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        forward_backward(backend, x, grad)
+        forward_backward(plan, x, grad)
         torch.cuda.synchronize()
     rows = sorted(prof.key_averages(), key=lambda e: -e.device_time_total)
     return {e.key[:120]: round(e.device_time_total, 1) for e in rows[:5]}
 
 
 def probe(backend: str, x: dict, grad: torch.Tensor, want: dict | None, repeats: int) -> dict:
-    device = torch.device("cuda")
+    """Every figure of one backend (the module docstring's list), as a JSON-ready dict."""
+    device, plan = torch.device("cuda"), make_plan(backend, x)
     res: dict = {}
     with torch.no_grad():
-        times, _ = timed(lambda: attention(backend, x), repeats + 1, device)
+        times, _ = timed(lambda: attention(plan, x), repeats + 1, device)
     res["forward_ms"] = statistics.median(times[1:]) * 1e3
     torch.cuda.reset_peak_memory_stats()
     base = torch.cuda.memory_allocated()
-    times, first = timed(lambda: forward_backward(backend, x, grad), repeats + 1, device)
+    times, last = timed(lambda: forward_backward(plan, x, grad), repeats + 1, device)
     res["forward_backward_ms"] = statistics.median(times[1:]) * 1e3
     res["peak_extra_gib"] = (torch.cuda.max_memory_allocated() - base) / 2**30
     if want is not None:
-        res["rel_error_vs_float64"] = rel_errors(first, want)
-    again = forward_backward(backend, x, grad)
-    res["repeats_bitwise"] = {k: torch.equal(first[k], again[k]) for k in first}
-    res["kernels_us"] = kernels(backend, x, grad)
+        res["rel_error_vs_float64"] = rel_errors(last, want)
+    again = forward_backward(plan, x, grad)
+    res["repeats_bitwise"] = {k: torch.equal(last[k], again[k]) for k in last}
+    res["kernels_us"] = longest_kernels(plan, x, grad)
     torch.use_deterministic_algorithms(True)
     try:
-        times, det = timed(lambda: forward_backward(backend, x, grad), repeats + 1, device)
+        times, det = timed(lambda: forward_backward(plan, x, grad), repeats + 1, device)
         res["deterministic_forward_backward_ms"] = statistics.median(times[1:]) * 1e3
-        det_again = forward_backward(backend, x, grad)
+        det_again = forward_backward(plan, x, grad)
         res["deterministic_repeats_bitwise"] = all(torch.equal(det[k], det_again[k]) for k in det)
     except RuntimeError as err:  # a kernel without a deterministic version
         res["deterministic_error"] = str(err).splitlines()[0]
@@ -139,7 +148,7 @@ def main() -> None:
     want = None
     if args.groups == 1:  # float64 dense attention of 8 groups would take about 80 GB
         x64 = {k: v.detach().double().requires_grad_(True) for k, v in x.items()}
-        want = forward_backward("dense", x64, grad.double())
+        want = forward_backward(make_plan("dense", x64), x64, grad.double())
     res = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "groups": args.groups}
     for backend in args.backends:
         res[backend] = probe(backend, x, grad, want, args.repeats)

@@ -65,8 +65,11 @@ ROWS = {
     "serial-whole-batch": {"run.schedule": "serial", "algo.micro_batch_groups": 0},
     "both-whole-batch": {**_BOTH, "algo.micro_batch_groups": 0},
     "serial-again": {"run.schedule": "serial"},
-    **{f"serial-{name}": {"run.schedule": "serial"} for name in _SUFFIX_ROWS},
-    **{f"both-{name}": _BOTH for name in _SUFFIX_ROWS},
+    **{
+        f"{row}-{name}": settings
+        for name in _SUFFIX_ROWS
+        for row, settings in (("serial", {"run.schedule": "serial"}), ("both", _BOTH))
+    },
 }
 # environment variables set while a row runs (the suffix attention backend is read at each call)
 ROW_ENV = {

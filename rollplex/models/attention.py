@@ -8,8 +8,8 @@ keyword ``rollplex_plan`` (transformers forwards unknown keywords to the attenti
 
     PrefixPlan   prompt prefill of one group: causal attention; the layer's keys/values (after RoPE)
                  are recorded as boundary KV, attached to autograd when the caller is.
-    SuffixPlan   N responses per group attend to their group's boundary KV (read once, never copied
-                 N times) and causally to their own tokens. Used for reference/actor scoring.
+    SuffixPlan   N responses per group attend to their group's boundary KV and causally to their own
+                 tokens. Used for reference/actor scoring.
 
 Decode (one new token per row) has its own static-shape step in rollout.decode.
 
@@ -29,6 +29,7 @@ import torch.nn.functional as F
 from torch.nn.attention.bias import causal_lower_right
 
 from rollplex.models.transfer import stream_key, to_device
+from rollplex.types import PrefixState
 
 ATTENTION_NAME = "rollplex"
 
@@ -67,10 +68,16 @@ class SuffixPlan:
     host_prompt_lens: tuple[int, ...] = ()
 
 
-def suffix_plan(prefix, group_size: int, length: int, backend: str) -> SuffixPlan:
-    """The ``SuffixPlan`` of responses scored against ``prefix`` (a ``types.PrefixState``): ``length``
-    suffix positions per response (R), ``group_size`` responses per group (N), with ``backend``'s mask
-    (``SuffixPlan.mask``) made once for all layers."""
+def suffix_plan(prefix: PrefixState, group_size: int, length: int, backend: str) -> SuffixPlan:
+    """The ``SuffixPlan`` of responses scored against ``prefix``: ``length`` suffix positions per response
+    (R), ``group_size`` responses per group (N), with ``backend``'s mask (``SuffixPlan.mask``) made once
+    for all layers.
+
+    Raises:
+        ValueError: ``backend`` is not one of ``SUFFIX_ATTENTION``.
+    """
+    if backend not in SUFFIX_ATTENTION:
+        raise ValueError(f"suffix attention {backend!r}: expected one of {tuple(SUFFIX_ATTENTION)}")
     plan = SuffixPlan(
         prefix.keys,
         prefix.values,
@@ -232,15 +239,16 @@ def causal_shared_prefix_attention(query, own_keys, own_values, plan: SuffixPlan
     (``torch.nn.attention.bias.causal_lower_right``): response query i sees every boundary key and its
     own keys 0..i, the same keys as a full-sequence causal forward. No mask tensor is read and the
     masked-out block (other responses' keys, a response's later keys) is skipped rather than computed:
-    with P_g = 3,920 and N = 8 responses of R = 512, the scores computed fall from N·R × (P_g + N·R)
+    with P_g = 3,920 and N = 8 responses of R = 511, the scores computed fall from N·R × (P_g + N·R)
     to about N·R × (P_g + R/2), a little over half. The boundary is sliced to its P_g valid keys (host
-    lengths, no read-back) and concatenated once per response; the gradient of the N copies sums
-    into the group's boundary KV.
+    lengths, no read-back) and copied once per response; the gradient of the N copies sums into the
+    group's boundary KV.
 
-    On CUDA in bf16/fp16 the call runs flash attention, which takes the key/value heads as they are
-    (grouped-query attention) and has a deterministic backward under
-    ``torch.use_deterministic_algorithms``; otherwise (the CPU, float32/64) SDPA runs on the
-    materialised mask, the same arithmetic.
+    Where flash attention is eligible (CUDA, bf16/fp16, a head dim it supports) the call runs it, with
+    the key/value heads as they are (grouped-query attention) and a deterministic backward under
+    ``torch.use_deterministic_algorithms``; otherwise SDPA takes another kernel or, as on the CPU, runs
+    on the materialised mask: the same arithmetic. (``models.forward.suffix_backend`` picks this backend
+    on CUDA for bf16/fp16 only.)
 
     Args:
         query: [B, H, R, D]; own_keys/own_values: [B, Hkv, R, D]; B = G·N.
@@ -248,32 +256,35 @@ def causal_shared_prefix_attention(query, own_keys, own_values, plan: SuffixPlan
 
     Returns:
         [B, R, H, D].
+
+    Raises:
+        ValueError: the plan's G host lengths times N is not B.
     """
-    n, r = plan.group_size, query.shape[2]
+    n, (b, _, r, _) = plan.group_size, query.shape
+    if len(plan.host_prompt_lens) * n != b:
+        raise ValueError(
+            f"{len(plan.host_prompt_lens)} host prompt lengths × {n} responses != {b} query rows"
+        )
     outs = []
-    for g, length in enumerate(plan.host_prompt_lens):
+    for g, prompt_len in enumerate(plan.host_prompt_lens):
         rows = slice(g * n, (g + 1) * n)
-        keys = _response_keys(plan.prefix_keys[layer], g, length, own_keys[rows])
-        values = _response_keys(plan.prefix_values[layer], g, length, own_values[rows])
+        keys = _with_boundary(plan.prefix_keys[layer], g, prompt_len, own_keys[rows])
+        values = _with_boundary(plan.prefix_values[layer], g, prompt_len, own_values[rows])
+        mask = causal_lower_right(r, prompt_len + r)
         outs.append(
             F.scaled_dot_product_attention(
-                query[rows],
-                keys,
-                values,
-                attn_mask=causal_lower_right(r, length + r),
-                scale=scaling,
-                enable_gqa=True,
+                query[rows], keys, values, attn_mask=mask, scale=scaling, enable_gqa=True
             )
         )
     out = outs[0] if len(outs) == 1 else torch.cat(outs)
     return out.transpose(1, 2)
 
 
-def _response_keys(boundary: torch.Tensor, group: int, length: int, own: torch.Tensor) -> torch.Tensor:
-    """[N, Hkv, length + R, D]: group ``group``'s first ``length`` boundary keys (or values) of
+def _with_boundary(boundary: torch.Tensor, group: int, prompt_len: int, own: torch.Tensor) -> torch.Tensor:
+    """[N, Hkv, prompt_len + R, D]: group ``group``'s first ``prompt_len`` boundary keys (or values) of
     ``boundary`` [G, Hkv, P_max, D], then each response's own R, from ``own`` [N, Hkv, R, D]."""
     n = own.shape[0]
-    return torch.cat([boundary[group : group + 1, :, :length].expand(n, -1, -1, -1), own], dim=2)
+    return torch.cat([boundary[group : group + 1, :, :prompt_len].expand(n, -1, -1, -1), own], dim=2)
 
 
 def sdpa_shared_prefix_attention(query, own_keys, own_values, plan: SuffixPlan, layer: int, scaling):

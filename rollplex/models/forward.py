@@ -287,7 +287,8 @@ def suffix_logprobs(
     if length == 1:
         ent = entropy_of(first_lp.detach())[:, None] if with_entropy else None
         return first, ent
-    plan = suffix_plan(prefix, group_size, length - 1, suffix_backend(responses.device))
+    backend = suffix_backend(responses.device, prefix.keys[0].dtype)
+    plan = suffix_plan(prefix, group_size, length - 1, backend)
     embeds = lm.embed_tokens(responses[:, :-1])
     positions = response_positions(prefix.next_position, length - 1, group_size)
     hidden = _decoder(model, embeds, positions, plan)
@@ -306,15 +307,21 @@ LOGIT_CHUNK_ELEMENTS = 2**28  # logits computed at a time (1 GiB in fp32), per c
 SUFFIX_BACKENDS = tuple(SUFFIX_ATTENTION)  # dense, causal, sdpa, flex
 
 
-def suffix_backend(device: torch.device) -> str:
-    """Suffix attention backend: ``$ROLLPLEX_SUFFIX_ATTENTION`` if set (dense | causal | sdpa | flex),
-    else causal on CUDA (flash attention per group, ``models.attention.causal_shared_prefix_attention``)
+def suffix_backend(device: torch.device, dtype: torch.dtype) -> str:
+    """Suffix attention backend for activations of ``dtype`` on ``device``: ``$ROLLPLEX_SUFFIX_ATTENTION``
+    if set (dense | causal | sdpa | flex), else causal on CUDA in bf16/fp16 (flash attention per group,
+    ``models.attention.causal_shared_prefix_attention``), masked SDPA on CUDA in other dtypes (flash
+    attention does not take them, and causal would fall back to a materialised mask and fp32 scores),
     and the dense reference path on the CPU (flex_attention has no CPU backward).
 
     Raises:
         ValueError: an unknown backend name.
     """
-    name = os.environ.get("ROLLPLEX_SUFFIX_ATTENTION", "causal" if device.type == "cuda" else "dense")
+    if device.type != "cuda":
+        default = "dense"
+    else:
+        default = "causal" if dtype in (torch.bfloat16, torch.float16) else "sdpa"
+    name = os.environ.get("ROLLPLEX_SUFFIX_ATTENTION", default)
     if name not in SUFFIX_BACKENDS:
         raise ValueError(f"ROLLPLEX_SUFFIX_ATTENTION={name!r}: expected one of {SUFFIX_BACKENDS}")
     return name

@@ -73,7 +73,7 @@ def test_the_suffix_attention_rows_select_their_backend_while_they_run(monkeypat
     seen = {}
 
     def timed(work, name, cfg):
-        seen[name] = suffix_backend(torch.device("cuda"))
+        seen[name] = suffix_backend(torch.device("cuda"), torch.bfloat16)
         return {"steps_taken": 1}, {}
 
     monkeypatch.setattr(schedule, "_timed_row", timed)
