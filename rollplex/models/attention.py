@@ -224,8 +224,9 @@ def suffix_bool_mask(prefix_lens: torch.Tensor, p_max: int, group_size: int, len
 
 def suffix_additive_mask(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """The bool mask as an additive mask (0 / -inf) in the attention dtype, built once per suffix pass:
-    its key dimension is allocated rounded up to a multiple of 16 and sliced back, so SDPA's
-    memory-efficient kernel uses it as is instead of converting and padding a copy in every layer."""
+    its key dimension is allocated rounded up to a multiple of 16 and sliced back, so SDPA's masked
+    kernels (the memory-efficient kernel among them) use it as is instead of converting and padding a
+    copy in every layer."""
     kv = allowed.shape[-1]
     padded = torch.zeros((*allowed.shape[:-1], -(-kv // 16) * 16), dtype=dtype, device=allowed.device)
     mask = padded[..., :kv]
@@ -290,8 +291,10 @@ def _with_boundary(boundary: torch.Tensor, group: int, prompt_len: int, own: tor
 def sdpa_shared_prefix_attention(query, own_keys, own_values, plan: SuffixPlan, layer: int, scaling):
     """Suffix attention as one masked SDPA call per layer: per group, the N suffixes form one query
     sequence of N·R tokens against [boundary KV ; N·R own keys] with ``suffix_bool_mask``. The boundary
-    KV is concatenated once per group (never N times); key/value heads are repeated to the query heads so
-    CUDA's memory-efficient kernel (which takes arbitrary masks, with backward) is used.
+    KV is concatenated once per group (never N times); key/value heads are repeated to the query heads
+    for the kernels that take an arbitrary mask with a backward (on one H200 in bf16 SDPA picked cuDNN's;
+    the memory-efficient kernel takes such masks too). About half the scores are masked out; the causal
+    backend skips them.
 
     Args:
         query: [B, H, R, D]; own_keys/own_values: [B, Hkv, R, D].
