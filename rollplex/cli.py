@@ -255,7 +255,7 @@ def _add_workload_arguments(
 
 
 def _add_bench(sub: argparse._SubParsersAction) -> None:
-    from rollplex.bench.variants import DECODE_VARIANTS, MAIN_ROWS, ROWS
+    from rollplex.bench.variants import DECODE_VARIANTS, MAIN_ROWS, ROWS, ROWS_HELP
     from rollplex.config import COMPILE_MODES, DECODE_ATTENTION
 
     bench = sub.add_parser("bench", help="GPU benchmarks, measured side by side").add_subparsers(
@@ -272,7 +272,12 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
         help="comma-separated subset of compare,suffix-memory,vision (default compare,suffix-memory)",
     )
     p.set_defaults(handler=_bench_prefix)
-    p = bench.add_parser("schedule", help="serial vs rollplex schedules on one training workload")
+    p = bench.add_parser(
+        "schedule",
+        help="serial vs rollplex schedules on one training workload",
+        epilog=ROWS_HELP,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     _add_workload_arguments(p, group_size=2)
     p.add_argument(
         "--warmup", type=_at_least(0), help="discarded warm-up iterations per schedule (default 1)"

@@ -40,7 +40,7 @@ from rollplex.data.loader import PromptSource
 from rollplex.data.records import load_records
 from rollplex.data.vision import ImageSampling, VideoSampling
 from rollplex.models.compiled import compile_fallback, compiles_layers
-from rollplex.models.forward import enable_checkpointing, prepare_model
+from rollplex.models.forward import enable_checkpointing, prepare_model, suffix_backend
 from rollplex.models.positions import VisionTokens
 from rollplex.observe.metrics import (
     TRACE_FILE,
@@ -166,6 +166,8 @@ def build_run(cfg: Config) -> Run:
     validate_for_training(cfg)
     device = torch.device(resolve_device(cfg.run))
     dtype = resolve_dtype(cfg.run, device.type)
+    # checks ROLLPLEX_SUFFIX_ATTENTION before anything is written (one-token responses never read it)
+    log.info("suffix attention: %s", suffix_backend(device, dtype))
     seed_everything(cfg.run.seed)
     if cfg.run.deterministic:
         use_deterministic_algorithms()

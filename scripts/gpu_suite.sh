@@ -26,6 +26,10 @@ for stage in $stages; do
        exit 2 ;;
   esac
 done
+if ! python3 -c "import torch" 2>/dev/null; then
+  echo "gpu_suite.sh: error: python3 has no torch: activate the environment that has torch first" >&2
+  exit 2
+fi
 if ! python3 -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)" 2>/dev/null; then
   echo "gpu_suite.sh: error: needs a CUDA device visible to python3's torch, and none is" >&2
   exit 2

@@ -135,7 +135,10 @@ def probe(backend: str, x: dict, grad: torch.Tensor, want: dict | None, repeats:
 def main() -> None:
     def arguments(parser: argparse.ArgumentParser) -> None:
         parser.add_argument(
-            "--backends", default="causal,sdpa,dense", type=comma_list_of(tuple(SUFFIX_ATTENTION))
+            "--backends",
+            default="causal,sdpa,dense",
+            type=comma_list_of(tuple(SUFFIX_ATTENTION)),
+            help=f"comma-separated, any of {', '.join(SUFFIX_ATTENTION)} (default causal,sdpa,dense)",
         )
         parser.add_argument("--groups", type=int, default=1, help="groups per call (default 1)")
         parser.add_argument("--repeats", type=int, default=10, help="timed calls per figure (default 10)")

@@ -242,6 +242,21 @@ def test_existing_run_folder_is_never_overwritten_by_accident(assets, tmp_path):
     assert [row["step"] for row in _metrics(run)] == [1]
 
 
+@pytest.mark.parametrize(("name", "why"), [("bogus", "expected one of"), ("flex", "needs CUDA")])
+def test_a_suffix_attention_that_cannot_run_stops_the_run_before_it_writes(
+    assets, tmp_path, monkeypatch, name, why
+):
+    """ROLLPLEX_SUFFIX_ATTENTION is checked when the run is built, before its folder holds anything, even
+    for a job whose responses never reach the suffix attention; a rerun with it fixed needs no --overwrite."""
+    cfg = _config(assets, tmp_path / "run", 1, **{"eval.every": 0, "data.val_path": ""})
+    monkeypatch.setenv("ROLLPLEX_SUFFIX_ATTENTION", name)
+    with pytest.raises(ValueError, match=f"ROLLPLEX_SUFFIX_ATTENTION.*{why}"):
+        train(cfg)
+    assert not (tmp_path / "run").exists() or not any((tmp_path / "run").iterdir())
+    monkeypatch.delenv("ROLLPLEX_SUFFIX_ATTENTION")
+    assert [row["step"] for row in _metrics(train(cfg))] == [1]
+
+
 def test_resume_without_a_checkpoint_writes_nothing(assets, tmp_path):
     """``--resume`` on a folder without a checkpoint fails naming it, and leaves no folder behind."""
     cfg = _config(assets, tmp_path / "none", 1, **{"eval.every": 0, "data.val_path": ""})

@@ -1,42 +1,7 @@
 """``rollplex bench schedule``: one training workload under several schedules, side by side in one process.
 
-Rows (each from the same initial weights and optimizer state, same prompts and seeds):
-
-    serial                the paper's Colocate baseline
-    overlap               rollplex: reference and actor prefixes on a worker stream during decode
-    fusion                rollplex without overlap, with prefill fusion (the actor prefix seeds decode)
-    both                  rollplex with overlap and prefill fusion (decode on a high-priority stream)
-    auto                  tries the co-running policies during its warm-up, keeps the fastest
-    both-same-priority    both, decode and prefixes at the same stream priority
-    both-chunked          both, prefix work issued one group at a time
-    both-carveout         both, half the SMs kept free of prefix matrix products
-    both-green            both, the reference prefix's kernels on a green context of half the SMs
-                          (rounded up by the driver: 72 of 132 on an H200) while decode runs, one
-                          group per chunk (the chunks after decode get every SM)
-    serial-eager          serial, the layers' norms, attention modules and MLPs as transformers runs
-                          them (model.compile_layers off; every other row runs them compiled unless
-                          --no-compile-layers)
-    both-eager            both, likewise
-    serial-parts          serial, each layer's norms, attention module and MLP compiled apart
-                          (model.compile_scope: parts; every other compiled row compiles whole layers)
-    both-parts            both, likewise
-    serial-whole-batch    serial, every group of the mini-batch in one actor micro-batch
-                          (algo.micro_batch_groups: 0; every other row backpropagates one group at a time)
-    both-whole-batch      both, likewise (its speedup and parameter difference are against
-                          serial-whole-batch, which accumulates its gradient the same way)
-    serial-again          serial once more: whether serial's own update is the same from run to run
-                          (its parameter and optimizer differences are against serial's)
-    serial-causal         serial, the suffix attention as one SDPA call per group with a bottom-right
-                          causal mask over each response's [boundary ; own keys] (flash attention;
-                          ROLLPLEX_SUFFIX_ATTENTION=causal for the row)
-    both-causal           both, likewise
-    serial-sdpa           serial, the suffix attention as one masked SDPA call per layer over the
-                          group's [boundary ; all responses' keys] (ROLLPLEX_SUFFIX_ATTENTION=sdpa)
-    both-sdpa             both, likewise
-    serial-flex           serial, the suffix attention as flex_attention with a block mask, which skips
-                          the blocks where a response would see another response's keys
-                          (ROLLPLEX_SUFFIX_ATTENTION=flex for the row; the others use the default)
-    both-flex             both, likewise
+Rows: ``bench.variants.ROWS_HELP`` (each from the same initial weights and optimizer state, same prompts
+and seeds; ``rollplex bench schedule --help`` prints it).
 
 Warm-up iterations (allocator growth, graph capture, compilation, and auto's policy trials) are
 discarded; the table gives the median step time and its spread, the speedup over the row's baseline
@@ -80,7 +45,7 @@ from rollplex.bench.fingerprint import differing, first_difference, optimizer_fi
 from rollplex.bench.variants import BASELINES, MAIN_ROWS, ROW_ENV, ROWS
 from rollplex.config import load_config
 from rollplex.models.compiled import compile_fallback, compiled_scope, compiles_layers
-from rollplex.models.forward import enable_checkpointing, prepare_model
+from rollplex.models.forward import enable_checkpointing, prepare_model, suffix_backend
 from rollplex.observe.metrics import PhaseTimer
 from rollplex.optim import MasterWeightAdamW
 from rollplex.phases import Roles
@@ -202,6 +167,7 @@ def _run_row(work: _Workload, name: str, cfg: ScheduleBenchConfig) -> tuple[dict
 
 def _timed_row(work: _Workload, name: str, cfg: ScheduleBenchConfig) -> tuple[dict, _Snapshot]:
     roles = work.roles(ROWS[name], cfg)
+    suffix_backend(work.device, next(roles.actor.parameters()).dtype)  # the row's backend can run here
     step = make_step(roles.config, work.device)
     sync = torch.cuda.synchronize if work.device.type == "cuda" else None
     timer, times, phases = PhaseTimer(sync=sync), [], []

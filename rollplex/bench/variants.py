@@ -48,6 +48,47 @@ DEFAULT_VARIANTS = tuple(name for name in DECODE_VARIANTS if not name.endswith("
 
 _BOTH = {"run.schedule": "rollplex", "run.overlap": True, "run.prefill_fusion": True}
 _SUFFIX_ROWS = ("causal", "sdpa", "flex")  # the suffix attention backends with rows of their own
+ROWS_HELP = """\
+Rows of rollplex bench schedule (each from the same initial weights and optimizer state, same prompts
+and seeds; the other rows use the suffix attention of the device and dtype: dense on the CPU, so the
+suffix rows differ from serial there on purpose):
+
+serial                the paper's Colocate baseline
+overlap               rollplex: reference and actor prefixes on a worker stream during decode
+fusion                rollplex without overlap, with prefill fusion (the actor prefix seeds decode)
+both                  rollplex with overlap and prefill fusion (decode on a high-priority stream)
+auto                  tries the co-running policies during its warm-up, keeps the fastest
+both-same-priority    both, decode and prefixes at the same stream priority
+both-chunked          both, prefix work issued one group at a time
+both-carveout         both, half the SMs kept free of prefix matrix products
+both-green            both, the reference prefix's kernels on a green context of half the SMs
+                      (rounded up by the driver: 72 of 132 on an H200) while decode runs, one
+                      group per chunk (the chunks after decode get every SM)
+serial-eager          serial, the layers' norms, attention modules and MLPs as transformers runs
+                      them (model.compile_layers off; every other row runs them compiled unless
+                      --no-compile-layers)
+both-eager            both, likewise
+serial-parts          serial, each layer's norms, attention module and MLP compiled apart
+                      (model.compile_scope: parts; every other compiled row compiles whole layers)
+both-parts            both, likewise
+serial-whole-batch    serial, every group of the mini-batch in one actor micro-batch
+                      (algo.micro_batch_groups: 0; every other row backpropagates one group at a time)
+both-whole-batch      both, likewise (its speedup and parameter difference are against
+                      serial-whole-batch, which accumulates its gradient the same way)
+serial-again          serial once more: whether serial's own update is the same from run to run
+                      (its parameter and optimizer differences are against serial's)
+serial-causal         serial, the suffix attention as one SDPA call per group with a bottom-right
+                      causal mask over each response's [boundary ; own keys] (flash attention;
+                      ROLLPLEX_SUFFIX_ATTENTION=causal for the row; the default on CUDA in bf16)
+both-causal           both, likewise
+serial-sdpa           serial, the suffix attention as one masked SDPA call per layer over the
+                      group's [boundary ; all responses' keys] (ROLLPLEX_SUFFIX_ATTENTION=sdpa)
+both-sdpa             both, likewise
+serial-flex           serial, the suffix attention as flex_attention with a block mask, which skips
+                      the blocks where a response would see another response's keys
+                      (ROLLPLEX_SUFFIX_ATTENTION=flex for the row; CUDA only)
+both-flex             both, likewise
+"""
 ROWS = {
     "serial": {"run.schedule": "serial"},
     "overlap": {"run.schedule": "rollplex", "run.overlap": True, "run.prefill_fusion": False},

@@ -315,7 +315,7 @@ def suffix_backend(device: torch.device, dtype: torch.dtype) -> str:
     and the dense reference path on the CPU (flex_attention has no CPU backward).
 
     Raises:
-        ValueError: an unknown backend name.
+        ValueError: an unknown backend name, or flex off CUDA.
     """
     if device.type != "cuda":
         default = "dense"
@@ -324,6 +324,8 @@ def suffix_backend(device: torch.device, dtype: torch.dtype) -> str:
     name = os.environ.get("ROLLPLEX_SUFFIX_ATTENTION", default)
     if name not in SUFFIX_BACKENDS:
         raise ValueError(f"ROLLPLEX_SUFFIX_ATTENTION={name!r}: expected one of {SUFFIX_BACKENDS}")
+    if name == "flex" and device.type != "cuda":
+        raise ValueError("ROLLPLEX_SUFFIX_ATTENTION=flex needs CUDA (flex_attention has no CPU backward)")
     return name
 
 

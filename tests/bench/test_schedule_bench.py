@@ -262,3 +262,16 @@ def test_eager_rows_run_the_layers_uncompiled(monkeypatch):
     for row in ROWS:  # one group per micro-batch but in the whole-batch rows, where every group is one
         micro = work.roles(ROWS[row], cfg).config.algo.micro_batch_groups
         assert micro == (0 if row.endswith("-whole-batch") else 1), row
+
+
+def test_every_row_is_explained_in_the_help(capsys):
+    """``rollplex bench schedule --help`` ends with ``ROWS_HELP``: a line per row, starting with its name
+    and saying what it runs."""
+    from rollplex.cli import main
+
+    with pytest.raises(SystemExit):
+        main(["bench", "schedule", "--help"])
+    lines = capsys.readouterr().out.splitlines()
+    for row in ROWS:
+        line = next((x for x in lines if x.startswith(f"{row} ")), "")
+        assert len(line.split()) > 2, row

@@ -91,7 +91,8 @@ def test_a_plan_of_an_unknown_backend_is_refused():
 
 def test_the_default_backend_by_device_and_dtype(monkeypatch):
     """causal where flash attention can take the activations (CUDA, bf16/fp16), masked SDPA on CUDA
-    otherwise, the dense reference on the CPU; the environment variable overrides, and is checked."""
+    otherwise, the dense reference on the CPU; the environment variable overrides, and is checked
+    (flex only on CUDA)."""
     monkeypatch.delenv("ROLLPLEX_SUFFIX_ATTENTION", raising=False)
     cuda, cpu = torch.device("cuda"), torch.device("cpu")
     assert [suffix_backend(cuda, t) for t in (torch.bfloat16, torch.float16)] == ["causal", "causal"]
@@ -99,6 +100,10 @@ def test_the_default_backend_by_device_and_dtype(monkeypatch):
     assert suffix_backend(cpu, torch.bfloat16) == "dense"
     monkeypatch.setenv("ROLLPLEX_SUFFIX_ATTENTION", "causal")
     assert suffix_backend(cpu, torch.float64) == "causal"
+    monkeypatch.setenv("ROLLPLEX_SUFFIX_ATTENTION", "flex")
+    assert suffix_backend(cuda, torch.bfloat16) == "flex"
+    with pytest.raises(ValueError, match="flex needs CUDA"):
+        suffix_backend(cpu, torch.float32)
     monkeypatch.setenv("ROLLPLEX_SUFFIX_ATTENTION", "flash")
     with pytest.raises(ValueError, match="ROLLPLEX_SUFFIX_ATTENTION='flash'"):
         suffix_backend(cuda, torch.bfloat16)
