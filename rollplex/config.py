@@ -78,7 +78,7 @@ class RunConfig:
     )
     deterministic: bool = _field(
         False,
-        "use deterministic torch algorithms: bitwise-repeatable updates (steps 1.3-1.5x slower on one H200, 3B)",
+        "use deterministic torch algorithms: bitwise-repeatable updates (steps 1.3-1.5x as long on one H200, 3B)",
     )
     schedule: str = _field(
         "serial",

@@ -159,6 +159,18 @@ def use_deterministic_algorithms() -> None:
     torch.use_deterministic_algorithms(True)
 
 
+def _check_suffix_attention(cfg: Config) -> None:
+    """Check ``ROLLPLEX_SUFFIX_ATTENTION`` for the run's device and dtype as the run starts (a job of
+    one-token responses never reaches the suffix attention, so it would not fail there), and log the
+    backend the suffix passes would use.
+
+    Raises:
+        ValueError: an unknown backend, or one the device cannot run (``models.forward.suffix_backend``).
+    """
+    device = torch.device(resolve_device(cfg.run))
+    log.info("suffix attention: %s", suffix_backend(device, resolve_dtype(cfg.run, device.type)))
+
+
 def build_run(cfg: Config) -> Run:
     """Models, optimizer, sampling and data of a run (from ``cfg``; no checkpoint applied)."""
     from transformers import AutoProcessor
@@ -166,8 +178,6 @@ def build_run(cfg: Config) -> Run:
     validate_for_training(cfg)
     device = torch.device(resolve_device(cfg.run))
     dtype = resolve_dtype(cfg.run, device.type)
-    # checks ROLLPLEX_SUFFIX_ATTENTION before anything is written (one-token responses never read it)
-    log.info("suffix attention: %s", suffix_backend(device, dtype))
     seed_everything(cfg.run.seed)
     if cfg.run.deterministic:
         use_deterministic_algorithms()
@@ -375,11 +385,13 @@ def train(cfg: Config, resume: bool = False, overwrite: bool = False) -> Path:
         ConfigError / DatasetError (ValueError): bad config, unreadable dataset or nothing usable left,
             or a run folder that already holds a run (without ``resume`` or ``overwrite``).
         ValueError: ``resume`` without a checkpoint, or with one of the other schedule (auto against
-            rollplex).
+            rollplex); a ``ROLLPLEX_SUFFIX_ATTENTION`` that cannot run on the run's device
+            (``models.forward.suffix_backend``).
     """
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     _quiet_library_progress()
     started = time.perf_counter()
+    _check_suffix_attention(cfg)  # before --overwrite clears anything
     _claim_run_dir(Path(cfg.run.out_dir), resume, overwrite)
     for why, fields in ignored_fields(cfg).items():
         log.warning("%s set, but %s: ignored", ", ".join(fields), why)

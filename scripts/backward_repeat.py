@@ -37,7 +37,7 @@ import time
 
 import torch
 
-from rollplex.bench.common import cuda_script_args, one_of
+from rollplex.bench.common import cuda_script_args, int_between, one_of
 from rollplex.bench.schedule import default_row
 from rollplex.loop import CUBLAS_WORKSPACE, use_deterministic_algorithms
 from rollplex.models.forward import suffix_backend
@@ -118,7 +118,7 @@ def main() -> None:
         parser.add_argument(
             "settings", nargs="*", type=one_of(SETTINGS), help=f"any of {', '.join(SETTINGS)} (default: all)"
         )
-        parser.add_argument("--repeats", type=int, choices=range(2, 11), default=3, metavar="2..10")
+        parser.add_argument("--repeats", type=int_between(2, 10), default=3, metavar="2..10")
         parser.add_argument("--out", help="write the results as JSON here")
 
     args = cuda_script_args(__doc__, arguments)

@@ -29,7 +29,7 @@ import statistics
 
 import torch
 
-from rollplex.bench.common import comma_list_of, cuda_script_args, timed
+from rollplex.bench.common import comma_list_of, cuda_script_args, int_between, timed
 from rollplex.loop import CUBLAS_WORKSPACE
 from rollplex.models.attention import SUFFIX_ATTENTION, SuffixPlan, suffix_plan
 from rollplex.types import PrefixState
@@ -140,8 +140,20 @@ def main() -> None:
             type=comma_list_of(tuple(SUFFIX_ATTENTION)),
             help=f"comma-separated, any of {', '.join(SUFFIX_ATTENTION)} (default causal,sdpa,dense)",
         )
-        parser.add_argument("--groups", type=int, default=1, help="groups per call (default 1)")
-        parser.add_argument("--repeats", type=int, default=10, help="timed calls per figure (default 10)")
+        parser.add_argument(
+            "--groups",
+            type=int_between(1, 8),
+            default=1,
+            metavar="1..8",
+            help="groups per call (default 1)",
+        )
+        parser.add_argument(
+            "--repeats",
+            type=int_between(1, 100),
+            default=10,
+            metavar="1..100",
+            help="timed calls per figure (default 10)",
+        )
         parser.add_argument("--out", help="write the results as JSON here")
 
     args = cuda_script_args(__doc__, arguments)

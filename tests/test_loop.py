@@ -246,15 +246,21 @@ def test_existing_run_folder_is_never_overwritten_by_accident(assets, tmp_path):
 def test_a_suffix_attention_that_cannot_run_stops_the_run_before_it_writes(
     assets, tmp_path, monkeypatch, name, why
 ):
-    """ROLLPLEX_SUFFIX_ATTENTION is checked when the run is built, before its folder holds anything, even
-    for a job whose responses never reach the suffix attention; a rerun with it fixed needs no --overwrite."""
-    cfg = _config(assets, tmp_path / "run", 1, **{"eval.every": 0, "data.val_path": ""})
+    """ROLLPLEX_SUFFIX_ATTENTION is checked as the run starts, before its folder holds anything, and
+    before --overwrite clears an earlier run there; a rerun with it fixed needs no --overwrite. On the
+    CPU (flex needs CUDA)."""
+    cfg = _config(assets, tmp_path / "run", 1, **{"eval.every": 0, "data.val_path": "", "run.device": "cpu"})
     monkeypatch.setenv("ROLLPLEX_SUFFIX_ATTENTION", name)
     with pytest.raises(ValueError, match=f"ROLLPLEX_SUFFIX_ATTENTION.*{why}"):
         train(cfg)
     assert not (tmp_path / "run").exists() or not any((tmp_path / "run").iterdir())
     monkeypatch.delenv("ROLLPLEX_SUFFIX_ATTENTION")
-    assert [row["step"] for row in _metrics(train(cfg))] == [1]
+    run = train(cfg)
+    before = (run / "metrics.jsonl").read_text()
+    monkeypatch.setenv("ROLLPLEX_SUFFIX_ATTENTION", name)
+    with pytest.raises(ValueError, match=f"ROLLPLEX_SUFFIX_ATTENTION.*{why}"):
+        train(cfg, overwrite=True)
+    assert (run / "metrics.jsonl").read_text() == before  # the earlier run is still there
 
 
 def test_resume_without_a_checkpoint_writes_nothing(assets, tmp_path):

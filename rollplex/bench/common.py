@@ -207,6 +207,21 @@ def one_of(choices: tuple[str, ...]) -> Callable[[str], str]:
     return check
 
 
+def int_between(low: int, high: int) -> Callable[[str], int]:
+    """An argparse ``type`` accepting an integer from ``low`` to ``high`` (a usage error otherwise)."""
+
+    def check(value: str) -> int:
+        try:
+            number = int(value)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{value!r} is not an integer") from None
+        if not low <= number <= high:
+            raise argparse.ArgumentTypeError(f"{number} is not in {low}..{high}")
+        return number
+
+    return check
+
+
 def comma_list_of(choices: tuple[str, ...]) -> Callable[[str], list[str]]:
     """An argparse ``type`` for a comma-separated list of ``choices`` (a usage error names the first
     other item, as ``one_of`` does)."""

@@ -11,7 +11,9 @@ N responses of R tokens per group, random weights. Two roles are measured:
   naive = one sequence per micro-batch.
 
 Reported per role: median step time and peak device memory above the weights, and their ratios; plus
-the suffix-pass peak memory for several N at fixed prompt length (it must grow with N·R, not N·P),
+the suffix-pass peak memory for several N at fixed prompt length (it must grow with N·R, not N·P; the
+causal suffix attention adds a small N·P term, one copy of the boundary's keys and values per
+response in each layer's attention),
 and the bf16 agreement of the two ways' log-probs. The ``vision`` part times the prefix pass alone
 (vision tower + prompt prefill of every group; detached, and attached with backward) under each
 ``model.vision_attention``, batched without ``model.vision_mlp_padding``, and batched with
@@ -228,7 +230,8 @@ def _compare_roles(model, prompts, responses, cfg, banned, device, result: Prefi
 def _suffix_memory(model, prompt, cfg, banned, device) -> dict:
     """Peak memory of one group's actor pass (attached prefix + N suffixes, forward + backward) for each
     N at a fixed prompt: the prefix part is the same for every N, so the growth between rows is the
-    suffix's, which must scale with N·R (never with N·P)."""
+    suffix's, which must scale with N·R (with the causal suffix attention, plus one copy of the boundary's
+    keys and values per response and layer: 1 KiB per prompt token and layer at the 3B shape)."""
     rows = {}
     for n in cfg.suffix_group_sizes:
         generator = torch.Generator().manual_seed(n)

@@ -79,7 +79,7 @@ serial-again          serial once more: whether serial's own update is the same 
                       (its parameter and optimizer differences are against serial's)
 serial-causal         serial, the suffix attention as one SDPA call per group with a bottom-right
                       causal mask over each response's [boundary ; own keys] (flash attention;
-                      ROLLPLEX_SUFFIX_ATTENTION=causal for the row; the default on CUDA in bf16)
+                      ROLLPLEX_SUFFIX_ATTENTION=causal for the row; the CUDA default in bf16/fp16)
 both-causal           both, likewise
 serial-sdpa           serial, the suffix attention as one masked SDPA call per layer over the
                       group's [boundary ; all responses' keys] (ROLLPLEX_SUFFIX_ATTENTION=sdpa)
