@@ -9,9 +9,9 @@ SDPA's + 1e-3; bf16 rollout-recorded vs trainer log-probs max |Δ| ≤ 0.1, mean
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import os
+from unittest.mock import patch
 
 import pytest
 import torch
@@ -78,18 +78,9 @@ def _weighted(lp):
     return (lp * torch.linspace(-1, 1, lp.shape[0], dtype=lp.dtype, device=lp.device)[:, None]).sum()
 
 
-@contextlib.contextmanager
 def _suffix_backend(name):
     """``ROLLPLEX_SUFFIX_ATTENTION`` set to ``name`` inside, as it was after."""
-    old = os.environ.get("ROLLPLEX_SUFFIX_ATTENTION")
-    os.environ["ROLLPLEX_SUFFIX_ATTENTION"] = name
-    try:
-        yield
-    finally:
-        if old is None:
-            os.environ.pop("ROLLPLEX_SUFFIX_ATTENTION", None)
-        else:
-            os.environ["ROLLPLEX_SUFFIX_ATTENTION"] = old
+    return patch.dict(os.environ, {"ROLLPLEX_SUFFIX_ATTENTION": name})
 
 
 def _responses(count, length):
