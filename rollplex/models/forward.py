@@ -219,13 +219,14 @@ def merge_prefixes(states: list[PrefixState]) -> PrefixState:
     """One PrefixState of G groups from G single-group states: boundary KV zero-padded to the longest
     prompt, [G, Hkv, P_max, D] per layer (differentiable: gradients flow back to each group's graph)."""
     lens = torch.cat([s.prompt_lens for s in states])
-    p_max = max(s.keys[0].shape[2] for s in states)  # = max(lens), without reading lens back
+    host_lens = tuple(n for s in states for n in s.host_prompt_lens)
+    p_max = max(host_lens)
     layers = len(states[0].keys)
     return PrefixState(
         keys=[_pad_stack([s.keys[i] for s in states], p_max) for i in range(layers)],
         values=[_pad_stack([s.values[i] for s in states], p_max) for i in range(layers)],
         prompt_lens=lens,
-        host_prompt_lens=tuple(n for s in states for n in s.host_prompt_lens),
+        host_prompt_lens=host_lens,
         next_position=torch.cat([s.next_position for s in states]),
         last_logprobs=torch.cat([s.last_logprobs for s in states]),
         content_keys=[key for s in states for key in s.content_keys],
