@@ -41,6 +41,21 @@ class PrefixPlan:
     keys: dict[int, torch.Tensor] = field(default_factory=dict)
     values: dict[int, torch.Tensor] = field(default_factory=dict)
 
+    def take_boundary(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """The recorded (keys, values), each a list over layers in layer order, leaving the plan empty.
+
+        Under activation checkpointing the plan is one of the layers' keyword arguments, which each
+        layer's recompute closure keeps, and the autograd graph keeps the closure. A boundary tensor
+        left in the plan would close a cycle through that graph, which Python's collector cannot see
+        into: an attached prefix dropped without a backward pass (a step that raised) would then never
+        free its memory. Emptying the plan breaks the cycle.
+        """
+        keys = [self.keys[i] for i in range(len(self.keys))]
+        values = [self.values[i] for i in range(len(self.values))]
+        self.keys.clear()
+        self.values.clear()
+        return keys, values
+
 
 @dataclass
 class SuffixPlan:

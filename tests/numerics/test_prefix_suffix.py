@@ -11,7 +11,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from rollplex.models.forward import enable_checkpointing, prefix_forward, suffix_logprobs
+from rollplex.models.forward import (
+    checkpoint_options,
+    enable_checkpointing,
+    prefix_forward,
+    prefix_states,
+    suffix_logprobs,
+)
 from tests.numerics.conftest import BANNED, IMAGE, V_START, VIDEO, full_logprobs, make_prompt
 
 N, R, T = 3, 6, 0.7
@@ -263,3 +269,47 @@ def test_gradient_checkpointing_changes_no_gradient(models):
     assert grads[0].keys() == grads[1].keys()
     for name, g in grads[0].items():
         assert torch.allclose(g, grads[1][name], rtol=1e-12, atol=1e-14), name
+
+
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_attached_prefix_dropped_without_backward_frees_its_tensors(models, checkpointing):
+    """An attached prefix that never reaches a backward pass (a step that raised after Phase 1) is freed
+    once dropped. Under activation checkpointing the layers' recompute closures keep the prefix plan
+    alive through the autograd graph: a boundary tensor left in the plan made a cycle Python's collector
+    cannot see into, and the pass's memory was never freed."""
+    import copy
+    import gc
+    import weakref
+
+    m = copy.deepcopy(models[0]).requires_grad_(True)
+    if checkpointing:
+        enable_checkpointing(m)
+    prompts, _, _ = _batch()
+    states = prefix_states(m, prompts, temperature=T, banned_ids=BANNED, attached=True)
+    assert all(s.keys[0].grad_fn is not None for s in states)
+    refs = [weakref.ref(t) for s in states for t in (*s.keys, *s.values, s.last_logprobs)]
+    del states
+    gc.collect()
+    assert [r() for r in refs if r() is not None] == []
+
+
+def test_checkpoint_options_keep_rng_state_only_where_a_layer_draws_random_numbers(models):
+    """The layers checkpoint without the per-tensor shape record, and without saving and restoring the
+    RNG state unless some dropout is active: a text attention dropout or a dropout module above 0 turns
+    it back on, so a recompute draws the forward's dropout masks."""
+    import copy
+
+    model = copy.deepcopy(models[0])
+    enable_checkpointing(model)
+    layer = model.model.language_model.layers[0]
+    assert layer._gradient_checkpointing_func.keywords == {
+        "use_reentrant": False,
+        "preserve_rng_state": False,
+        "determinism_check": "none",
+    }
+    assert not checkpoint_options(model)["preserve_rng_state"]
+    model.config.text_config.attention_dropout = 0.1
+    assert checkpoint_options(model)["preserve_rng_state"]
+    model.config.text_config.attention_dropout = 0.0
+    model.model.visual.blocks[0].mlp.add_module("dropout", torch.nn.Dropout(0.2))
+    assert checkpoint_options(model)["preserve_rng_state"]
