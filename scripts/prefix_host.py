@@ -4,17 +4,18 @@ bench schedule`` workload (3B architecture, 3,920-token video prompts, bf16, com
 
 The attached prefix runs before decode under prefill fusion and at the start of each of serial's actor
 micro-batches; the device waits for the host there (``scripts/host_lag.py``). For each setting, after
-one discarded pass, ``--repeats`` passes over the 8 groups, one group at a time: the host's time to
-issue the group's pass (the call returns with work still queued) and the time until the device has
-run it. The pass's outputs are dropped before the next group. Settings:
+one discarded pass each, ``--repeats`` rounds in which every setting passes over the 8 groups in turn,
+one group at a time: the host's time to issue the group's pass (the call returns with work still
+queued) and the time until the device has run it. The pass's outputs are dropped before the next
+group. Settings:
 
 - ``detached``: under ``torch.no_grad()`` (rollout and reference prefix);
-- ``checkpoint-torch``: attached, non-reentrant activation checkpointing with torch's other defaults
-  (the RNG state saved and restored around each layer, a shape/dtype record of each saved tensor);
+- ``checkpoint``: attached, under activation checkpointing as training runs it
+  (``models.forward.enable_checkpointing``: non-reentrant, torch's other defaults, which save and
+  restore the RNG state around each layer and record each saved tensor's shape and dtype);
 - ``checkpoint-norng``: the same with ``preserve_rng_state=False``;
 - ``checkpoint-nocheck``: the same with ``determinism_check="none"``;
-- ``checkpoint``: both, as training runs it (``models.forward.checkpoint_options``; Qwen2.5-VL has no
-  active dropout);
+- ``checkpoint-lean``: both (Qwen2.5-VL has no active dropout);
 - ``no-checkpoint``: attached, every activation kept.
 
 Then one attached and one detached pass of one group under cProfile (functions by own time).
@@ -24,7 +25,6 @@ Usage (CUDA): python scripts/prefix_host.py [SETTING ...] [--repeats 3] [--out p
 
 from __future__ import annotations
 
-import gc
 import json
 import statistics
 import time
@@ -37,11 +37,11 @@ from rollplex.models.forward import enable_checkpointing, prefix_states
 
 CHECKPOINT = {"use_reentrant": False}
 SETTINGS = {
-    "detached": None,
-    "checkpoint-torch": CHECKPOINT,
+    "detached": "runtime",  # checkpointing as training sets it, inactive without autograd
+    "checkpoint": "runtime",  # models.forward.enable_checkpointing
     "checkpoint-norng": {**CHECKPOINT, "preserve_rng_state": False},
     "checkpoint-nocheck": {**CHECKPOINT, "determinism_check": "none"},
-    "checkpoint": "runtime",  # models.forward.checkpoint_options
+    "checkpoint-lean": {**CHECKPOINT, "preserve_rng_state": False, "determinism_check": "none"},
     "no-checkpoint": None,
 }
 
@@ -70,38 +70,45 @@ def _group_pass(model, prompt, banned, attached: bool) -> tuple[float, float]:
     torch.cuda.synchronize()
     done = time.perf_counter() - start
     del states
-    gc.collect()  # non-reentrant checkpointing's reference cycles hold the pass's tensors until collected
     return issued, done
 
 
-def _setting(model, prompts, banned, name: str, repeats: int) -> dict:
-    _set_checkpointing(model, SETTINGS[name] if name != "detached" else "runtime")
-    attached = name != "detached"
-    _group_pass(model, prompts[0], banned, attached)  # compiles where the setting is new
-    issued, done = [], []
+def _timings(model, prompts, banned, names: list[str], repeats: int) -> list[dict]:
+    """Each setting's row: one discarded group pass per setting (compiles where it is new), then
+    ``repeats`` rounds, each running every setting over every group in turn, so that no setting gets
+    a later, warmer share of the process."""
+    for name in names:
+        _set_checkpointing(model, SETTINGS[name])
+        _group_pass(model, prompts[0], banned, name != "detached")
+    issued, done = {n: [] for n in names}, {n: [] for n in names}
     for _ in range(repeats):
-        for prompt in prompts:
-            i, d = _group_pass(model, prompt, banned, attached)
-            issued.append(i)
-            done.append(d)
-    row = {
-        "setting": name,
-        "groups": len(prompts) * repeats,
-        "issue_ms_median": 1e3 * statistics.median(issued),
-        "done_ms_median": 1e3 * statistics.median(done),
-        "done_ms_min": 1e3 * min(done),
-        "done_ms_max": 1e3 * max(done),
-        "peak_gib": torch.cuda.max_memory_allocated() / 2**30,
-    }
-    print(json.dumps(row), flush=True)
-    return row
+        for name in names:
+            _set_checkpointing(model, SETTINGS[name])
+            for prompt in prompts:
+                i, d = _group_pass(model, prompt, banned, name != "detached")
+                issued[name].append(i)
+                done[name].append(d)
+    rows = [
+        {
+            "setting": name,
+            "groups": len(done[name]),
+            "issue_ms_median": 1e3 * statistics.median(issued[name]),
+            "done_ms_median": 1e3 * statistics.median(done[name]),
+            "done_ms_min": 1e3 * min(done[name]),
+            "done_ms_max": 1e3 * max(done[name]),
+        }
+        for name in names
+    ]
+    for row in rows:
+        print(json.dumps(row), flush=True)
+    return rows
 
 
 def main() -> None:
     args = cuda_script_args(__doc__, _arguments)
     work, roles, _ = default_row("serial", torch.device("cuda"))
     model, prompts, banned = roles.actor, work.prompts, roles.banned_ids.cuda()
-    rows = [_setting(model, prompts, banned, name, args.repeats) for name in args.settings]
+    rows = _timings(model, prompts, banned, args.settings, args.repeats)
     _set_checkpointing(model, "runtime")
     for attached in (True, False):
         text = cprofile_report(
@@ -112,7 +119,7 @@ def main() -> None:
         )
         print(("attached" if attached else "detached"), text[:6000], flush=True)
     with open(args.out, "w") as f:
-        json.dump({"rows": rows}, f, indent=1)
+        json.dump({"rows": rows, "peak_gib": torch.cuda.max_memory_allocated() / 2**30}, f, indent=1)
 
 
 def _arguments(parser) -> None:

@@ -87,40 +87,15 @@ def prepare_model(
     set_layer_compilation(model, compiled, scope=scope)  # again after a vision MLP class swap
 
 
-def checkpoint_options(model) -> dict:
-    """torch.utils.checkpoint's options for ``model``'s layers: non-reentrant, no shape/dtype record of
-    each saved tensor to compare in the recompute (the layers' shapes do not depend on values), and the
-    RNG state saved and restored around each layer only where a layer draws random numbers (a dropout
-    probability above 0; Qwen2.5-VL's are 0). Both records are host work per layer and per saved tensor
-    in the actor's forward, which the host paces (docs/benchmarks.md, scripts/prefix_host.py)."""
-    return {"use_reentrant": False, "preserve_rng_state": _has_dropout(model), "determinism_check": "none"}
-
-
-def _has_dropout(model) -> bool:
-    """Whether any dropout of ``model`` is active in training: an ``nn.Dropout`` module or a config's
-    ``*dropout*`` probability above 0 (transformers' attention passes ``attention_dropout`` to SDPA)."""
-    configs = [model.config, *(getattr(model.config, k, None) for k in ("text_config", "vision_config"))]
-    probabilities = [
-        value
-        for config in configs
-        if config is not None
-        for key, value in vars(config).items()
-        if "dropout" in key and isinstance(value, (int, float))
-    ]
-    modules = [m.p for m in model.modules() if isinstance(m, torch.nn.modules.dropout._DropoutNd)]
-    return any(p > 0 for p in probabilities + modules)
-
-
 def enable_checkpointing(model) -> None:
     """Recompute each decoder (and vision) layer in backward, keeping only its input: transformers'
     activation checkpointing (``activation_checkpointing_enable``; ``gradient_checkpointing_enable``
-    on releases before it) with ``checkpoint_options(model)``, in training mode."""
-    options = checkpoint_options(model)
+    on releases before it), non-reentrant, in training mode (Qwen2.5-VL has no active dropout)."""
     enable = getattr(model, "activation_checkpointing_enable", None)
     if enable is not None:
-        enable(activation_checkpointing_kwargs=options)
+        enable(activation_checkpointing_kwargs={"use_reentrant": False})
     else:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=options)
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.train(True)
 
 

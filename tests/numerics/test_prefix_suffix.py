@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from rollplex.models.forward import (
-    checkpoint_options,
     enable_checkpointing,
+    merge_prefixes,
     prefix_forward,
     prefix_states,
     suffix_logprobs,
@@ -272,11 +272,12 @@ def test_gradient_checkpointing_changes_no_gradient(models):
 
 
 @pytest.mark.parametrize("checkpointing", [False, True])
-def test_attached_prefix_dropped_without_backward_frees_its_tensors(models, checkpointing):
-    """An attached prefix that never reaches a backward pass (a step that raised after Phase 1) is freed
-    once dropped. Under activation checkpointing the layers' recompute closures keep the prefix plan
-    alive through the autograd graph: a boundary tensor left in the plan made a cycle Python's collector
-    cannot see into, and the pass's memory was never freed."""
+@pytest.mark.parametrize("with_suffix", [False, True])
+def test_attached_passes_dropped_without_backward_free_their_tensors(models, checkpointing, with_suffix):
+    """An attached prefix, and the suffix scored against it, that never reach a backward pass (a step
+    that raised after Phase 1) are freed once dropped. Under activation checkpointing the layers'
+    recompute closures keep the prefix plan alive through the autograd graph: a boundary tensor left in
+    the plan made a cycle Python's collector cannot see into, and the pass's memory was never freed."""
     import copy
     import gc
     import weakref
@@ -284,32 +285,17 @@ def test_attached_prefix_dropped_without_backward_frees_its_tensors(models, chec
     m = copy.deepcopy(models[0]).requires_grad_(True)
     if checkpointing:
         enable_checkpointing(m)
-    prompts, _, _ = _batch()
+    prompts, responses, _ = _batch()
     states = prefix_states(m, prompts, temperature=T, banned_ids=BANNED, attached=True)
     assert all(s.keys[0].grad_fn is not None for s in states)
-    refs = [weakref.ref(t) for s in states for t in (*s.keys, *s.values, s.last_logprobs)]
-    del states
+    tensors = [t for s in states for t in (*s.keys, *s.values, s.last_logprobs)]
+    if with_suffix:
+        prefix = merge_prefixes(states)
+        logprobs, _ = suffix_logprobs(m, prefix, responses, group_size=N, temperature=T, banned_ids=BANNED)
+        assert logprobs.grad_fn is not None
+        tensors += [*prefix.keys, logprobs]
+        del prefix, logprobs
+    refs = [weakref.ref(t) for t in tensors]
+    del states, tensors
     gc.collect()
     assert [r() for r in refs if r() is not None] == []
-
-
-def test_checkpoint_options_keep_rng_state_only_where_a_layer_draws_random_numbers(models):
-    """The layers checkpoint without the per-tensor shape record, and without saving and restoring the
-    RNG state unless some dropout is active: a text attention dropout or a dropout module above 0 turns
-    it back on, so a recompute draws the forward's dropout masks."""
-    import copy
-
-    model = copy.deepcopy(models[0])
-    enable_checkpointing(model)
-    layer = model.model.language_model.layers[0]
-    assert layer._gradient_checkpointing_func.keywords == {
-        "use_reentrant": False,
-        "preserve_rng_state": False,
-        "determinism_check": "none",
-    }
-    assert not checkpoint_options(model)["preserve_rng_state"]
-    model.config.text_config.attention_dropout = 0.1
-    assert checkpoint_options(model)["preserve_rng_state"]
-    model.config.text_config.attention_dropout = 0.0
-    model.model.visual.blocks[0].mlp.add_module("dropout", torch.nn.Dropout(0.2))
-    assert checkpoint_options(model)["preserve_rng_state"]
