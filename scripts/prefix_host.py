@@ -4,12 +4,13 @@ bench schedule`` workload (3B architecture, 3,920-token video prompts, bf16, com
 
 The attached prefix runs before decode under prefill fusion and at the start of each of serial's actor
 micro-batches; the device waits for the host there (``scripts/host_lag.py``). For each setting, after
-one discarded pass each, ``--repeats`` rounds in which every setting passes over the 8 groups in turn,
-one group at a time: the host's time to issue the group's pass (the call returns with work still
-queued) and the time until the device has run it. The pass's outputs are dropped before the next
-group. Settings:
+one discarded pass each, ``--repeats`` rounds in which every setting passes over the 8 groups, one group
+at a time, the settings' order rotated by one each round: the host's time to issue the group's pass
+(the call returns with work still queued), the time until the device has run it, and the memory still
+allocated once the pass's outputs are dropped (growth there is a leak). Settings:
 
-- ``detached``: under ``torch.no_grad()`` (rollout and reference prefix);
+- ``detached``: under ``torch.no_grad()``, on the actor as training sets it up (the rollout prefix;
+  the reference model has no checkpointing);
 - ``checkpoint``: attached, under activation checkpointing as training runs it
   (``models.forward.enable_checkpointing``: non-reentrant, torch's other defaults, which save and
   restore the RNG state around each layer and record each saved tensor's shape and dtype);
@@ -18,7 +19,9 @@ group. Settings:
 - ``checkpoint-lean``: both (Qwen2.5-VL has no active dropout);
 - ``no-checkpoint``: attached, every activation kept.
 
-Then one attached and one detached pass of one group under cProfile (functions by own time).
+Then one attached pass (checkpointed as training runs it) and one detached pass of one group under
+cProfile: OUT.attached.cprofile.txt and OUT.detached.cprofile.txt, functions by own time, then by
+cumulative time.
 
 Usage (CUDA): python scripts/prefix_host.py [SETTING ...] [--repeats 3] [--out prefix_host.json]
 """
@@ -31,13 +34,13 @@ import time
 
 import torch
 
-from rollplex.bench.common import cprofile_report, cuda_script_args, one_of
+from rollplex.bench.common import cprofile_report, cuda_script_args, int_between, one_of
 from rollplex.bench.schedule import default_row
 from rollplex.models.forward import enable_checkpointing, prefix_states
 
 CHECKPOINT = {"use_reentrant": False}
 SETTINGS = {
-    "detached": "runtime",  # checkpointing as training sets it, inactive without autograd
+    "detached": "runtime",  # the actor as training sets it up, run under torch.no_grad()
     "checkpoint": "runtime",  # models.forward.enable_checkpointing
     "checkpoint-norng": {**CHECKPOINT, "preserve_rng_state": False},
     "checkpoint-nocheck": {**CHECKPOINT, "determinism_check": "none"},
@@ -47,22 +50,24 @@ SETTINGS = {
 
 
 def _set_checkpointing(model, kwargs: dict | str | None) -> None:
+    """Checkpointing as training sets it up ("runtime"), with torch.utils.checkpoint options ``kwargs``,
+    or off (None)."""
     if kwargs == "runtime":
         enable_checkpointing(model)
         return
-    enable = getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable
-    disable = getattr(model, "activation_checkpointing_disable", None) or model.gradient_checkpointing_disable
+    newer = hasattr(model, "activation_checkpointing_enable")  # transformers releases after 5.17
     if kwargs is None:
-        disable()
-    elif enable.__name__ == "activation_checkpointing_enable":
-        enable(activation_checkpointing_kwargs=kwargs)
+        (model.activation_checkpointing_disable if newer else model.gradient_checkpointing_disable)()
+    elif newer:
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
     else:
-        enable(gradient_checkpointing_kwargs=kwargs)
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
     model.train(True)
 
 
-def _group_pass(model, prompt, banned, attached: bool) -> tuple[float, float]:
-    """(host seconds to issue, seconds until the device is done) of one group's prefix pass."""
+def _group_pass(model, prompt, banned, attached: bool) -> tuple[float, float, float]:
+    """(host seconds to issue, seconds until the device is done, GiB allocated after the outputs are
+    dropped) of one group's prefix pass."""
     torch.cuda.synchronize()
     start = time.perf_counter()
     states = prefix_states(model, [prompt], temperature=1.0, banned_ids=banned, attached=attached)
@@ -70,38 +75,40 @@ def _group_pass(model, prompt, banned, attached: bool) -> tuple[float, float]:
     torch.cuda.synchronize()
     done = time.perf_counter() - start
     del states
-    return issued, done
+    return issued, done, torch.cuda.memory_allocated() / 2**30
 
 
 def _timings(model, prompts, banned, names: list[str], repeats: int) -> list[dict]:
     """Each setting's row: one discarded group pass per setting (compiles where it is new), then
-    ``repeats`` rounds, each running every setting over every group in turn, so that no setting gets
-    a later, warmer share of the process."""
+    ``repeats`` rounds, each running every setting over every group in turn, the order rotated by one
+    each round, so that no setting always follows the same one."""
     for name in names:
         _set_checkpointing(model, SETTINGS[name])
         _group_pass(model, prompts[0], banned, name != "detached")
-    issued, done = {n: [] for n in names}, {n: [] for n in names}
-    for _ in range(repeats):
-        for name in names:
+    passes = {n: [] for n in names}
+    for round_ in range(repeats):
+        shift = round_ % len(names)
+        for name in names[shift:] + names[:shift]:
             _set_checkpointing(model, SETTINGS[name])
-            for prompt in prompts:
-                i, d = _group_pass(model, prompt, banned, name != "detached")
-                issued[name].append(i)
-                done[name].append(d)
-    rows = [
-        {
-            "setting": name,
-            "groups": len(done[name]),
-            "issue_ms_median": 1e3 * statistics.median(issued[name]),
-            "done_ms_median": 1e3 * statistics.median(done[name]),
-            "done_ms_min": 1e3 * min(done[name]),
-            "done_ms_max": 1e3 * max(done[name]),
-        }
-        for name in names
-    ]
+            passes[name] += [_group_pass(model, p, banned, name != "detached") for p in prompts]
+    rows = [_row(name, passes[name]) for name in names]
     for row in rows:
         print(json.dumps(row), flush=True)
     return rows
+
+
+def _row(name: str, passes: list[tuple[float, float, float]]) -> dict:
+    issued, done, left = zip(*passes, strict=True)
+    return {
+        "setting": name,
+        "groups": len(done),
+        "issue_ms_median": 1e3 * statistics.median(issued),
+        "done_ms_median": 1e3 * statistics.median(done),
+        "done_ms_min": 1e3 * min(done),
+        "done_ms_max": 1e3 * max(done),
+        "allocated_after_gib_first": left[0],
+        "allocated_after_gib_last": left[-1],
+    }
 
 
 def main() -> None:
@@ -113,7 +120,7 @@ def main() -> None:
     for attached in (True, False):
         text = cprofile_report(
             lambda a=attached: _group_pass(model, prompts[0], banned, a),
-            f"{args.out}.{attached}.cprofile.txt",
+            f"{args.out}.{'attached' if attached else 'detached'}.cprofile.txt",
             45,
             40,
         )
@@ -124,7 +131,7 @@ def main() -> None:
 
 def _arguments(parser) -> None:
     parser.add_argument("settings", nargs="*", type=one_of(SETTINGS), default=list(SETTINGS))
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--repeats", type=int_between(1, 100), default=3)
     parser.add_argument("--out", default="prefix_host.json")
 
 

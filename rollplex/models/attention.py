@@ -36,24 +36,30 @@ ATTENTION_NAME = "rollplex"
 
 @dataclass
 class PrefixPlan:
-    """Records boundary KV of a single-prompt prefill: ``keys[l]``, ``values[l]`` are [1, Hkv, P, D]."""
+    """Records boundary KV of a single-prompt prefill while ``recording``: ``keys[l]``, ``values[l]``
+    are [1, Hkv, P, D] (the model's dtype)."""
 
     keys: dict[int, torch.Tensor] = field(default_factory=dict)
     values: dict[int, torch.Tensor] = field(default_factory=dict)
+    recording: bool = True
 
     def take_boundary(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        """The recorded (keys, values), each a list over layers in layer order, leaving the plan empty.
+        """The recorded (keys, values), each a list over the layers recorded, in layer order, each
+        [1, Hkv, P, D]; leaves the plan empty and no longer recording (a second call returns two empty
+        lists).
 
         Under activation checkpointing the plan is one of the layers' keyword arguments, which each
-        layer's recompute closure keeps, and the autograd graph keeps the closure. A boundary tensor
-        left in the plan would close a cycle through that graph, which Python's collector cannot see
-        into: an attached prefix dropped without a backward pass (a step that raised) would then never
-        free its memory. Emptying the plan breaks the cycle.
+        layer's recompute closure keeps, and the autograd graph keeps the closures. A boundary tensor
+        left in the plan, or one a recompute in backward records there, would close a cycle through
+        that graph, which Python's collector cannot see into: an attached prefix dropped without its
+        backward pass (a step that raised after the pass and before the actor's backward), or kept for
+        a second backward (``retain_graph``), would never free its memory.
         """
         keys = [self.keys[i] for i in range(len(self.keys))]
         values = [self.values[i] for i in range(len(self.values))]
         self.keys.clear()
         self.values.clear()
+        self.recording = False
         return keys, values
 
 
@@ -127,7 +133,8 @@ def rollplex_attention(module, query, key, value, attention_mask, scaling=None, 
     plan = kwargs["rollplex_plan"]
     layer = module.layer_idx
     if isinstance(plan, PrefixPlan):
-        plan.keys[layer], plan.values[layer] = key, value
+        if plan.recording:  # not in checkpointing's recompute (PrefixPlan.take_boundary)
+            plan.keys[layer], plan.values[layer] = key, value
         out = F.scaled_dot_product_attention(
             query, key, value, is_causal=True, scale=scaling, enable_gqa=True
         )

@@ -194,13 +194,9 @@ def prefix_states(
     states = []
     with grad:
         for prompt in prompts:
-            plan = PrefixPlan()
-            embeds = prompt_embeddings(model, prompt)
-            positions = to_device(prompt.position_ids, embeds.device)[:, None, :]
-            hidden = _decoder(model, embeds, positions, plan)
+            hidden, keys, values = _recorded_prefill(model, prompt)
             logits = model.lm_head(hidden[:, -1])
             device = logits.device
-            keys, values = plan.take_boundary()
             states.append(
                 PrefixState(
                     keys=keys,
@@ -214,6 +210,20 @@ def prefix_states(
                 )
             )
     return states
+
+
+def _recorded_prefill(model, prompt: Prompt) -> tuple[torch.Tensor, list[torch.Tensor], list[torch.Tensor]]:
+    """Vision encode + prompt prefill of one prompt: hidden states [1, P, Hd] after the final norm, and
+    the boundary keys and values, one [1, Hkv, P, D] per layer. The prefix plan is emptied however the
+    pass ends, a raised error included (``PrefixPlan.take_boundary``)."""
+    plan = PrefixPlan()
+    try:
+        embeds = prompt_embeddings(model, prompt)
+        positions = to_device(prompt.position_ids, embeds.device)[:, None, :]
+        hidden = _decoder(model, embeds, positions, plan)
+    finally:
+        keys, values = plan.take_boundary()
+    return hidden, keys, values
 
 
 def merge_prefixes(states: list[PrefixState]) -> PrefixState:

@@ -57,6 +57,8 @@ def test_without_a_gpu_each_stops_with_one_line(script, monkeypatch, capsys):
         ("backward_repeat.py", ["--repeats", "11"]),
         ("overlap_probe.py", ["serial"]),
         ("host_lag.py", ["out", "--row", "both"]),
+        ("prefix_host.py", ["checkpoint", "bogus"]),
+        ("prefix_host.py", ["--repeats", "0"]),
     ],
 )
 def test_a_bad_argument_is_a_usage_error_before_anything_runs(script, args, monkeypatch, capsys):

@@ -8,6 +8,10 @@ containing a vision placeholder id (B05), consecutive calls with different layou
 
 from __future__ import annotations
 
+import copy
+import gc
+import weakref
+
 import pytest
 import torch
 
@@ -170,7 +174,6 @@ def _vision_setting_grads(model, setting: str, checkpointing: bool):
     trainable) or "frozen", whether the tower's output carried an autograd graph, and how many times
     the first vision block's first norm ran during the backward pass (the block's recomputation under
     checkpointing; a forward hook on the block itself does not see the tower's own block calls)."""
-    import copy
 
     m = copy.deepcopy(model)
     if checkpointing:
@@ -252,7 +255,6 @@ def test_step0_reference_equals_actor(models):
 def test_gradient_checkpointing_changes_no_gradient(models):
     """Activation checkpointing (non-reentrant, as `model.gradient_checkpointing` enables) recomputes the
     prefix in backward: every gradient, vision included, is the same as without it."""
-    import copy
 
     model = models[0]
     ckpt = copy.deepcopy(model)
@@ -271,31 +273,58 @@ def test_gradient_checkpointing_changes_no_gradient(models):
         assert torch.allclose(g, grads[1][name], rtol=1e-12, atol=1e-14), name
 
 
-@pytest.mark.parametrize("checkpointing", [False, True])
-@pytest.mark.parametrize("with_suffix", [False, True])
-def test_attached_passes_dropped_without_backward_free_their_tensors(models, checkpointing, with_suffix):
-    """An attached prefix, and the suffix scored against it, that never reach a backward pass (a step
-    that raised after Phase 1) are freed once dropped. Under activation checkpointing the layers'
-    recompute closures keep the prefix plan alive through the autograd graph: a boundary tensor left in
-    the plan made a cycle Python's collector cannot see into, and the pass's memory was never freed."""
-    import copy
-    import gc
-    import weakref
+def _layer_activations(model, refs: list) -> list:
+    """Forward hooks that keep a weak reference to each decoder layer's input and output hidden states
+    (under checkpointing, what each layer saves for its recompute), for as long as they are registered."""
 
+    def keep_input(module, args, kwargs):
+        refs.append(weakref.ref(args[0] if args else kwargs["hidden_states"]))
+
+    def keep_output(module, args, out):
+        refs.append(weakref.ref(out[0] if isinstance(out, tuple) else out))
+
+    layers = model.model.language_model.layers
+    return [layer.register_forward_pre_hook(keep_input, with_kwargs=True) for layer in layers] + [
+        layer.register_forward_hook(keep_output) for layer in layers
+    ]
+
+
+@pytest.mark.parametrize("checkpointing", [False, True])
+@pytest.mark.parametrize("ending", ["dropped", "suffix-dropped", "raised", "retained-backward"])
+def test_attached_passes_free_their_tensors_however_they_end(models, checkpointing, ending):
+    """An attached prefix is freed once dropped, however its pass ended: dropped without a backward pass
+    (a step that raised after the pass and before the actor's backward), with a suffix scored against
+    it, raised inside the pass (the final norm fails), or after a backward that kept the graph
+    (``retain_graph``). Under activation checkpointing the layers' recompute closures keep the prefix
+    plan alive through the autograd graph: a boundary tensor left in the plan, or recorded there by a
+    recompute, made a cycle Python's collector cannot see into, and the pass's memory was never freed."""
     m = copy.deepcopy(models[0]).requires_grad_(True)
     if checkpointing:
         enable_checkpointing(m)
+    assert m.model.language_model.layers[0].gradient_checkpointing == checkpointing
     prompts, responses, _ = _batch()
-    states = prefix_states(m, prompts, temperature=T, banned_ids=BANNED, attached=True)
-    assert all(s.keys[0].grad_fn is not None for s in states)
-    tensors = [t for s in states for t in (*s.keys, *s.values, s.last_logprobs)]
-    if with_suffix:
-        prefix = merge_prefixes(states)
-        logprobs, _ = suffix_logprobs(m, prefix, responses, group_size=N, temperature=T, banned_ids=BANNED)
-        assert logprobs.grad_fn is not None
-        tensors += [*prefix.keys, logprobs]
-        del prefix, logprobs
-    refs = [weakref.ref(t) for t in tensors]
-    del states, tensors
+    refs: list = []
+    hooks = _layer_activations(m, refs)
+    if ending == "raised":
+        m.model.language_model.norm.register_forward_hook(lambda *_: 1 / 0)
+        with pytest.raises(ZeroDivisionError):
+            prefix_states(m, prompts, temperature=T, banned_ids=BANNED, attached=True)
+    else:
+        states = prefix_states(m, prompts, temperature=T, banned_ids=BANNED, attached=True)
+        assert all(s.keys[0].grad_fn is not None for s in states)
+        refs += [weakref.ref(t) for s in states for t in (*s.keys, *s.values, s.last_logprobs)]
+        if ending == "suffix-dropped":
+            prefix = merge_prefixes(states)
+            lp, _ = suffix_logprobs(m, prefix, responses, group_size=N, temperature=T, banned_ids=BANNED)
+            refs += [weakref.ref(t) for t in (*prefix.keys, lp)]
+            del prefix, lp
+        if ending == "retained-backward":
+            sum(s.last_logprobs.sum() + sum(k.sum() for k in s.keys) for s in states).backward(
+                retain_graph=True
+            )
+        del states
+    for hook in hooks:
+        hook.remove()
+    assert len(refs) >= len(m.model.language_model.layers)
     gc.collect()
-    assert [r() for r in refs if r() is not None] == []
+    assert sum(r() is not None for r in refs) == 0
