@@ -426,7 +426,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     Usage errors exit through argparse (status 2); a ``ValueError`` raised by the command prints
     ``rollplex: error: <message>`` (joined into one line) on stderr and returns 2; a benchmark with
-    failed rows returns 1 (``_failed_rows``).
+    failed rows returns 1 (``_failed_rows``), and so does output piped into a reader that closed early
+    (``rollplex train --help-config | head``), silently.
     """
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
@@ -436,8 +437,22 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
     try:
         status = args.handler(args)
+        sys.stdout.flush()  # a reader that went away shows here, not in the interpreter's exit
     except ValueError as exc:
         message = " ".join(line.strip() for line in str(exc).splitlines() if line.strip())
         print(f"rollplex: error: {message}", file=sys.stderr)
         return 2
+    except BrokenPipeError:  # output piped into a reader that stopped early (`| head`): no traceback
+        _drop_stdout()
+        return 1
     return status or 0
+
+
+def _drop_stdout() -> None:
+    """Point standard output at the null device, so the interpreter's final flush of what is still
+    buffered for a closed pipe raises nothing (the Python documentation's recipe for SIGPIPE)."""
+    import os
+
+    null = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(null, sys.stdout.fileno())
+    os.close(null)

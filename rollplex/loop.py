@@ -159,16 +159,16 @@ def use_deterministic_algorithms() -> None:
     torch.use_deterministic_algorithms(True)
 
 
-def _check_suffix_attention(cfg: Config) -> None:
-    """Check ``ROLLPLEX_SUFFIX_ATTENTION`` for the run's device and dtype as the run starts (a job of
-    one-token responses never reaches the suffix attention, so it would not fail there), and log the
-    backend the suffix passes would use.
+def _check_suffix_attention(cfg: Config) -> str:
+    """The suffix attention backend of the run's device and dtype, ``ROLLPLEX_SUFFIX_ATTENTION``
+    checked as the run starts (a job of one-token responses never reaches the suffix attention, so it
+    would not fail there).
 
     Raises:
         ValueError: an unknown backend, or one the device cannot run (``models.forward.suffix_backend``).
     """
     device = torch.device(resolve_device(cfg.run))
-    log.info("suffix attention: %s", suffix_backend(device, resolve_dtype(cfg.run, device.type)))
+    return suffix_backend(device, resolve_dtype(cfg.run, device.type))
 
 
 def build_run(cfg: Config) -> Run:
@@ -391,8 +391,9 @@ def train(cfg: Config, resume: bool = False, overwrite: bool = False) -> Path:
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     _quiet_library_progress()
     started = time.perf_counter()
-    _check_suffix_attention(cfg)  # before --overwrite clears anything
+    backend = _check_suffix_attention(cfg)  # before --overwrite clears anything
     _claim_run_dir(Path(cfg.run.out_dir), resume, overwrite)
+    log.info("suffix attention: %s", backend)
     for why, fields in ignored_fields(cfg).items():
         log.warning("%s set, but %s: ignored", ", ".join(fields), why)
     ckpt = _resume_checkpoint(Path(cfg.run.out_dir)) if resume else None  # before anything is written

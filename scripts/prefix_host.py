@@ -130,9 +130,24 @@ def main() -> None:
 
 
 def _arguments(parser) -> None:
-    parser.add_argument("settings", nargs="*", type=one_of(SETTINGS), default=list(SETTINGS))
-    parser.add_argument("--repeats", type=int_between(1, 100), default=3)
-    parser.add_argument("--out", default="prefix_host.json")
+    parser.add_argument(
+        "settings",
+        nargs="*",
+        type=one_of(SETTINGS),
+        default=list(SETTINGS),
+        help="settings to time (default: all)",
+    )
+    parser.add_argument(
+        "--repeats",
+        type=int_between(1, 100),
+        default=3,
+        help="rounds over the 8 groups per setting (default 3)",
+    )
+    parser.add_argument(
+        "--out",
+        default="prefix_host.json",
+        help="JSON of the rows; the profiles go beside it (OUT.*.cprofile.txt)",
+    )
 
 
 if __name__ == "__main__":

@@ -375,3 +375,21 @@ def test_a_benchmark_with_failed_rows_exits_1_naming_them(monkeypatch, capsys):
     rows["graphs"] = {"error": "RuntimeError: no kernel"}
     assert main(["bench", "decode", "--preset", "tiny"]) == 1
     assert capsys.readouterr().err == "rollplex: error: 1 of 3 rows failed: graphs\n"
+
+
+def test_output_into_a_reader_that_went_away_ends_without_a_traceback(monkeypatch):
+    """`rollplex train --help-config | head`: once the reader has closed the pipe, the command stops
+    with status 1 and prints nothing more (the interpreter's last flush included), instead of a
+    BrokenPipeError traceback."""
+    import os
+
+    read, write = os.pipe()
+    os.close(read)  # the reader went away
+    stream = os.fdopen(write, "w")
+    monkeypatch.setattr(sys, "stdout", stream)
+    try:
+        assert main(["train", "--help-config"]) == 1
+        stream.write("x" * 100_000)
+        stream.flush()  # now the null device: raises nothing
+    finally:
+        stream.close()
