@@ -443,16 +443,39 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"rollplex: error: {message}", file=sys.stderr)
         return 2
     except BrokenPipeError:  # output piped into a reader that stopped early (`| head`): no traceback
+        if not _stdout_broken():
+            raise  # another pipe broke: a real error
         _drop_stdout()
         return 1
     return status or 0
 
 
+def _stdout_broken() -> bool:
+    """Whether standard output is a pipe whose reader has gone away (``poll`` reports an error on its
+    write end); False where that cannot be told (no file descriptor, no ``select.poll``)."""
+    import select
+
+    try:
+        fd = sys.stdout.fileno()
+        poller = select.poll()
+    except (AttributeError, OSError, ValueError):
+        return False
+    poller.register(fd, select.POLLOUT)
+    return any(events & select.POLLERR for _, events in poller.poll(0))
+
+
 def _drop_stdout() -> None:
-    """Point standard output at the null device, so the interpreter's final flush of what is still
-    buffered for a closed pipe raises nothing (the Python documentation's recipe for SIGPIPE)."""
+    """Point the process's standard output at the null device, so the interpreter's final flush of what
+    is still buffered for the closed pipe raises nothing (the Python documentation's recipe for
+    SIGPIPE). Only where ``sys.stdout`` is the process's own stream, with a file descriptor."""
     import os
 
+    if sys.stdout is not sys.__stdout__:
+        return
+    try:
+        fd = sys.stdout.fileno()
+    except (AttributeError, OSError, ValueError):
+        return
     null = os.open(os.devnull, os.O_WRONLY)
-    os.dup2(null, sys.stdout.fileno())
+    os.dup2(null, fd)
     os.close(null)

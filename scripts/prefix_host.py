@@ -5,9 +5,9 @@ bench schedule`` workload (3B architecture, 3,920-token video prompts, bf16, com
 The attached prefix runs before decode under prefill fusion and at the start of each of serial's actor
 micro-batches; the device waits for the host there (``scripts/host_lag.py``). For each setting, after
 one discarded pass each, ``--repeats`` rounds in which every setting passes over the 8 groups, one group
-at a time, the settings' order rotated by one each round: the host's time to issue the group's pass
-(the call returns with work still queued), the time until the device has run it, and the memory still
-allocated once the pass's outputs are dropped (growth there is a leak). Settings:
+at a time, the settings in a new shuffled order each round (seeded): the host's time to issue the
+group's pass (the call returns with work still queued), the time until the device has run it, and the
+memory the pass left allocated once its outputs are dropped (more than zero is a leak). Settings:
 
 - ``detached``: under ``torch.no_grad()``, on the actor as training sets it up (the rollout prefix;
   the reference model has no checkpointing);
@@ -29,6 +29,7 @@ Usage (CUDA): python scripts/prefix_host.py [SETTING ...] [--repeats 3] [--out p
 from __future__ import annotations
 
 import json
+import random
 import statistics
 import time
 
@@ -66,29 +67,30 @@ def _set_checkpointing(model, kwargs: dict | str | None) -> None:
 
 
 def _group_pass(model, prompt, banned, attached: bool) -> tuple[float, float, float]:
-    """(host seconds to issue, seconds until the device is done, GiB allocated after the outputs are
-    dropped) of one group's prefix pass."""
+    """(host seconds to issue, seconds until the device is done, GiB the pass left allocated once its
+    outputs are dropped) of one group's prefix pass."""
     torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
     start = time.perf_counter()
     states = prefix_states(model, [prompt], temperature=1.0, banned_ids=banned, attached=attached)
     issued = time.perf_counter() - start
     torch.cuda.synchronize()
     done = time.perf_counter() - start
     del states
-    return issued, done, torch.cuda.memory_allocated() / 2**30
+    return issued, done, (torch.cuda.memory_allocated() - before) / 2**30
 
 
 def _timings(model, prompts, banned, names: list[str], repeats: int) -> list[dict]:
     """Each setting's row: one discarded group pass per setting (compiles where it is new), then
-    ``repeats`` rounds, each running every setting over every group in turn, the order rotated by one
-    each round, so that no setting always follows the same one."""
+    ``repeats`` rounds, each running every setting over every group in turn, in an order shuffled
+    anew each round (seeded), so that no setting always follows the same one."""
     for name in names:
         _set_checkpointing(model, SETTINGS[name])
         _group_pass(model, prompts[0], banned, name != "detached")
     passes = {n: [] for n in names}
-    for round_ in range(repeats):
-        shift = round_ % len(names)
-        for name in names[shift:] + names[:shift]:
+    order = random.Random(0)
+    for _ in range(repeats):
+        for name in order.sample(names, len(names)):
             _set_checkpointing(model, SETTINGS[name])
             passes[name] += [_group_pass(model, p, banned, name != "detached") for p in prompts]
     rows = [_row(name, passes[name]) for name in names]
@@ -106,8 +108,7 @@ def _row(name: str, passes: list[tuple[float, float, float]]) -> dict:
         "done_ms_median": 1e3 * statistics.median(done),
         "done_ms_min": 1e3 * min(done),
         "done_ms_max": 1e3 * max(done),
-        "allocated_after_gib_first": left[0],
-        "allocated_after_gib_last": left[-1],
+        "left_allocated_gib_max": max(left),
     }
 
 
@@ -115,7 +116,7 @@ def main() -> None:
     args = cuda_script_args(__doc__, _arguments)
     work, roles, _ = default_row("serial", torch.device("cuda"))
     model, prompts, banned = roles.actor, work.prompts, roles.banned_ids.cuda()
-    rows = _timings(model, prompts, banned, args.settings, args.repeats)
+    rows = _timings(model, prompts, banned, list(dict.fromkeys(args.settings)), args.repeats)
     _set_checkpointing(model, "runtime")
     for attached in (True, False):
         text = cprofile_report(

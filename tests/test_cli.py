@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import subprocess
 import sys
 import types
@@ -377,19 +378,43 @@ def test_a_benchmark_with_failed_rows_exits_1_naming_them(monkeypatch, capsys):
     assert capsys.readouterr().err == "rollplex: error: 1 of 3 rows failed: graphs\n"
 
 
-def test_output_into_a_reader_that_went_away_ends_without_a_traceback(monkeypatch):
-    """`rollplex train --help-config | head`: once the reader has closed the pipe, the command stops
-    with status 1 and prints nothing more (the interpreter's last flush included), instead of a
-    BrokenPipeError traceback."""
+def _closed_pipe_stdout(monkeypatch):
+    """Make standard output (``sys.stdout`` and ``sys.__stdout__``) a pipe whose reader has gone away,
+    inside the test body (pytest's capture replaces ``sys.stdout`` after fixtures run)."""
     import os
 
     read, write = os.pipe()
-    os.close(read)  # the reader went away
+    os.close(read)
     stream = os.fdopen(write, "w")
     monkeypatch.setattr(sys, "stdout", stream)
+    monkeypatch.setattr(sys, "__stdout__", stream)
+    return stream
+
+
+@pytest.mark.parametrize("size", ["a line", "more than a buffer"])
+def test_output_into_a_reader_that_went_away_ends_without_a_traceback(monkeypatch, size):
+    """`rollplex train --help-config | head`: once the reader has closed the pipe, the command stops
+    with status 1 and writes nothing more, the interpreter's last flush included, instead of a
+    BrokenPipeError traceback; output shorter than the stream's buffer breaks only at the flush."""
+    text = "x" if size == "a line" else "x" * 100_000
+    monkeypatch.setattr("rollplex.cli._train", lambda args: print(text))
+    stream = _closed_pipe_stdout(monkeypatch)
     try:
-        assert main(["train", "--help-config"]) == 1
-        stream.write("x" * 100_000)
+        assert main(["train"]) == 1
+        stream.write("y" * 100_000)
         stream.flush()  # now the null device: raises nothing
     finally:
-        stream.close()
+        with contextlib.suppress(BrokenPipeError):
+            stream.close()
+
+
+def test_another_broken_pipe_is_an_error(monkeypatch):
+    """A BrokenPipeError that standard output did not cause (a worker's pipe) is raised, not taken for
+    a reader that went away."""
+
+    def broken(args):
+        raise BrokenPipeError("a worker's pipe")
+
+    monkeypatch.setattr("rollplex.cli._train", broken)
+    with pytest.raises(BrokenPipeError, match="worker"):
+        main(["train"])

@@ -57,10 +57,14 @@ class PrefixPlan:
         """
         keys = [self.keys[i] for i in range(len(self.keys))]
         values = [self.values[i] for i in range(len(self.values))]
+        self.clear()
+        return keys, values
+
+    def clear(self) -> None:
+        """Drop what was recorded and stop recording (a prefill that raised: see ``take_boundary``)."""
         self.keys.clear()
         self.values.clear()
         self.recording = False
-        return keys, values
 
 
 @dataclass

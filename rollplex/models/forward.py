@@ -221,8 +221,10 @@ def _recorded_prefill(model, prompt: Prompt) -> tuple[torch.Tensor, list[torch.T
         embeds = prompt_embeddings(model, prompt)
         positions = to_device(prompt.position_ids, embeds.device)[:, None, :]
         hidden = _decoder(model, embeds, positions, plan)
-    finally:
-        keys, values = plan.take_boundary()
+    except BaseException:
+        plan.clear()
+        raise
+    keys, values = plan.take_boundary()
     return hidden, keys, values
 
 
