@@ -443,39 +443,35 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"rollplex: error: {message}", file=sys.stderr)
         return 2
     except BrokenPipeError:  # output piped into a reader that stopped early (`| head`): no traceback
-        if not _stdout_broken():
+        fd = _broken_stdout()
+        if fd is None:
             raise  # another pipe broke: a real error
-        _drop_stdout()
+        if sys.stdout is sys.__stdout__:  # the process's own stream, not a replacement
+            _drop_output(fd)
         return 1
     return status or 0
 
 
-def _stdout_broken() -> bool:
-    """Whether standard output is a pipe whose reader has gone away (``poll`` reports an error on its
-    write end); False where that cannot be told (no file descriptor, no ``select.poll``)."""
+def _broken_stdout() -> int | None:
+    """Standard output's file descriptor where it is a pipe whose reader has gone away (``poll``
+    reports an error on its write end); None otherwise, or where that cannot be told (no file
+    descriptor, no ``select.poll``)."""
     import select
 
     try:
         fd = sys.stdout.fileno()
         poller = select.poll()
     except (AttributeError, OSError, ValueError):
-        return False
+        return None
     poller.register(fd, select.POLLOUT)
-    return any(events & select.POLLERR for _, events in poller.poll(0))
+    return fd if any(events & select.POLLERR for _, events in poller.poll(0)) else None
 
 
-def _drop_stdout() -> None:
-    """Point the process's standard output at the null device, so the interpreter's final flush of what
-    is still buffered for the closed pipe raises nothing (the Python documentation's recipe for
-    SIGPIPE). Only where ``sys.stdout`` is the process's own stream, with a file descriptor."""
+def _drop_output(fd: int) -> None:
+    """Point file descriptor ``fd`` at the null device, so the interpreter's final flush of what is
+    still buffered for the closed pipe raises nothing (the Python documentation's recipe for SIGPIPE)."""
     import os
 
-    if sys.stdout is not sys.__stdout__:
-        return
-    try:
-        fd = sys.stdout.fileno()
-    except (AttributeError, OSError, ValueError):
-        return
     null = os.open(os.devnull, os.O_WRONLY)
     os.dup2(null, fd)
     os.close(null)
