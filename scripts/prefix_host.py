@@ -39,30 +39,26 @@ from rollplex.bench.common import cprofile_report, cuda_script_args, int_between
 from rollplex.bench.schedule import default_row
 from rollplex.models.forward import enable_checkpointing, prefix_states
 
-CHECKPOINT = {"use_reentrant": False}
+# each setting's checkpoint options beyond training's (models.forward.enable_checkpointing); None: off
 SETTINGS = {
-    "detached": "runtime",  # the actor as training sets it up, run under torch.no_grad()
-    "checkpoint": "runtime",  # models.forward.enable_checkpointing
-    "checkpoint-norng": {**CHECKPOINT, "preserve_rng_state": False},
-    "checkpoint-nocheck": {**CHECKPOINT, "determinism_check": "none"},
-    "checkpoint-lean": {**CHECKPOINT, "preserve_rng_state": False, "determinism_check": "none"},
+    "detached": {},  # the actor as training sets it up, run under torch.no_grad()
+    "checkpoint": {},
+    "checkpoint-norng": {"preserve_rng_state": False},
+    "checkpoint-nocheck": {"determinism_check": "none"},
+    "checkpoint-lean": {"preserve_rng_state": False, "determinism_check": "none"},
     "no-checkpoint": None,
 }
 
 
-def _set_checkpointing(model, kwargs: dict | str | None) -> None:
-    """Checkpointing as training sets it up ("runtime"), with torch.utils.checkpoint options ``kwargs``,
-    or off (None)."""
-    if kwargs == "runtime":
-        enable_checkpointing(model)
+def _set_checkpointing(model, overrides: dict | None) -> None:
+    """Checkpointing as training sets it up, with ``overrides`` of its options, or off (None)."""
+    if overrides is not None:
+        enable_checkpointing(model, **overrides)
         return
-    newer = hasattr(model, "activation_checkpointing_enable")  # transformers releases after 5.17
-    if kwargs is None:
-        (model.activation_checkpointing_disable if newer else model.gradient_checkpointing_disable)()
-    elif newer:
-        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+    if hasattr(model, "activation_checkpointing_disable"):  # transformers releases after 5.17
+        model.activation_checkpointing_disable()
     else:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+        model.gradient_checkpointing_disable()
     model.train(True)
 
 
@@ -117,7 +113,7 @@ def main() -> None:
     work, roles, _ = default_row("serial", torch.device("cuda"))
     model, prompts, banned = roles.actor, work.prompts, roles.banned_ids.cuda()
     rows = _timings(model, prompts, banned, list(dict.fromkeys(args.settings)), args.repeats)
-    _set_checkpointing(model, "runtime")
+    enable_checkpointing(model)
     for attached in (True, False):
         text = cprofile_report(
             lambda a=attached: _group_pass(model, prompts[0], banned, a),

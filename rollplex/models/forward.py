@@ -87,15 +87,17 @@ def prepare_model(
     set_layer_compilation(model, compiled, scope=scope)  # again after a vision MLP class swap
 
 
-def enable_checkpointing(model) -> None:
+def enable_checkpointing(model, **overrides) -> None:
     """Recompute each decoder (and vision) layer in backward, keeping only its input: transformers'
     activation checkpointing (``activation_checkpointing_enable``; ``gradient_checkpointing_enable``
-    on releases before it), non-reentrant, in training mode (Qwen2.5-VL has no active dropout)."""
+    on releases before it), non-reentrant, in training mode (Qwen2.5-VL has no active dropout).
+    ``overrides``: other ``torch.utils.checkpoint.checkpoint`` options (scripts/prefix_host.py times some)."""
+    options = {"use_reentrant": False, **overrides}
     enable = getattr(model, "activation_checkpointing_enable", None)
     if enable is not None:
-        enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        enable(activation_checkpointing_kwargs=options)
     else:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=options)
     model.train(True)
 
 
