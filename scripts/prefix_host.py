@@ -12,11 +12,11 @@ memory the pass left allocated once its outputs are dropped (more than zero is a
 - ``detached``: under ``torch.no_grad()``, on the actor as training sets it up (the rollout prefix;
   the reference model has no checkpointing);
 - ``checkpoint``: attached, under activation checkpointing as training runs it
-  (``models.forward.enable_checkpointing``: non-reentrant, torch's other defaults, which save and
-  restore the RNG state around each layer and record each saved tensor's shape and dtype);
-- ``checkpoint-norng``: the same with ``preserve_rng_state=False``;
-- ``checkpoint-nocheck``: the same with ``determinism_check="none"``;
-- ``checkpoint-lean``: both (Qwen2.5-VL has no active dropout);
+  (``models.forward.enable_checkpointing``: layer recompute, ``models.recompute``, whose forward runs
+  each layer without autograd);
+- ``checkpoint-torch``: attached, under torch's non-reentrant checkpoint in every layer (training's
+  checkpointing before layer recompute; torch's defaults save and restore the RNG state around each
+  layer and record each saved tensor's shape and dtype);
 - ``no-checkpoint``: attached, every activation kept.
 
 Then one attached pass (checkpointed as training runs it) and one detached pass of one group under
@@ -39,21 +39,19 @@ from rollplex.bench.common import cprofile_report, cuda_script_args, int_between
 from rollplex.bench.schedule import default_row
 from rollplex.models.forward import enable_checkpointing, prefix_states
 
-# each setting's checkpoint options beyond training's (models.forward.enable_checkpointing); None: off
+# each setting's models.forward.enable_checkpointing arguments; None: checkpointing off
 SETTINGS = {
     "detached": {},  # the actor as training sets it up, run under torch.no_grad()
     "checkpoint": {},
-    "checkpoint-norng": {"preserve_rng_state": False},
-    "checkpoint-nocheck": {"determinism_check": "none"},
-    "checkpoint-lean": {"preserve_rng_state": False, "determinism_check": "none"},
+    "checkpoint-torch": {"layer_recompute": False},
     "no-checkpoint": None,
 }
 
 
-def _set_checkpointing(model, overrides: dict | None) -> None:
-    """Checkpointing as training sets it up, with ``overrides`` of its options, or off (None)."""
-    if overrides is not None:
-        enable_checkpointing(model, **overrides)
+def _set_checkpointing(model, arguments: dict | None) -> None:
+    """Checkpointing enabled with ``arguments``, or off (None)."""
+    if arguments is not None:
+        enable_checkpointing(model, **arguments)
         return
     if hasattr(model, "activation_checkpointing_disable"):  # transformers releases after 5.17
         model.activation_checkpointing_disable()

@@ -32,6 +32,7 @@ from rollplex.models.transfer import stream_key, to_device
 from rollplex.types import PrefixState
 
 ATTENTION_NAME = "rollplex"
+PLAN_KEYWORD = "rollplex_plan"  # the keyword argument that carries the plan down to the attention
 
 
 @dataclass
@@ -134,7 +135,7 @@ def rollplex_attention(module, query, key, value, attention_mask, scaling=None, 
     Raises:
         KeyError: no plan was passed (the model was called outside rollplex's forward functions).
     """
-    plan = kwargs["rollplex_plan"]
+    plan = kwargs[PLAN_KEYWORD]
     layer = module.layer_idx
     if isinstance(plan, PrefixPlan):
         if plan.recording:  # not in checkpointing's recompute (PrefixPlan.take_boundary)

@@ -14,6 +14,7 @@ cached rope offset of the library is involved.
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 
 import torch
@@ -21,8 +22,10 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from rollplex.config import VISION_ATTENTION
+from rollplex.models import recompute
 from rollplex.models.attention import (
     ATTENTION_NAME,
+    PLAN_KEYWORD,
     SUFFIX_ATTENTION,
     VISION_ATTENTION_NAME,
     PrefixPlan,
@@ -87,18 +90,25 @@ def prepare_model(
     set_layer_compilation(model, compiled, scope=scope)  # again after a vision MLP class swap
 
 
-def enable_checkpointing(model, **overrides) -> None:
-    """Recompute each decoder (and vision) layer in backward, keeping only its input: transformers'
-    activation checkpointing (``activation_checkpointing_enable``; ``gradient_checkpointing_enable``
-    on releases before it), non-reentrant, in training mode (Qwen2.5-VL has no active dropout).
-    ``overrides``: other ``torch.utils.checkpoint.checkpoint`` options (scripts/prefix_host.py times some)."""
-    options = {"use_reentrant": False, **overrides}
+def enable_checkpointing(model, *, layer_recompute: bool = True) -> None:
+    """Recompute each decoder (and vision) layer in backward, keeping only its input, in training mode
+    (Qwen2.5-VL has no active dropout): transformers' activation checkpointing
+    (``activation_checkpointing_enable``; ``gradient_checkpointing_enable`` on releases before it) with
+    torch's non-reentrant checkpoint, and with ``layer_recompute`` each layer call that can be run by
+    ``models.recompute`` instead (forward without autograd; every call but the suffix layers').
+
+    Raises:
+        ValueError: ``layer_recompute`` on a model with active dropout (``models.recompute.enable``).
+    """
+    options = {"use_reentrant": False}
     enable = getattr(model, "activation_checkpointing_enable", None)
     if enable is not None:
         enable(activation_checkpointing_kwargs=options)
     else:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=options)
     model.train(True)
+    if layer_recompute:
+        recompute.enable(model, fallback=functools.partial(checkpoint, **options))
 
 
 @profiled("rollplex/vision")
@@ -163,7 +173,7 @@ def _decoder(model, embeds: torch.Tensor, positions: torch.Tensor, plan) -> torc
         position_ids=positions,
         attention_mask={"full_attention": None},
         use_cache=False,
-        rollplex_plan=plan,
+        **{PLAN_KEYWORD: plan},
     )
     return out.last_hidden_state
 

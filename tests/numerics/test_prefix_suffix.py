@@ -252,13 +252,15 @@ def test_step0_reference_equals_actor(models):
     assert torch.equal(ref_lp, act_lp.detach())
 
 
-def test_gradient_checkpointing_changes_no_gradient(models):
-    """Activation checkpointing (non-reentrant, as `model.gradient_checkpointing` enables) recomputes the
-    prefix in backward: every gradient, vision included, is the same as without it."""
+@pytest.mark.parametrize("layer_recompute", [True, False])
+def test_gradient_checkpointing_changes_no_gradient(models, layer_recompute):
+    """Activation checkpointing (as `model.gradient_checkpointing` enables it: layer recompute in the
+    prefix and vision passes, torch's non-reentrant checkpoint in the suffix; or torch's everywhere)
+    recomputes the layers in backward: every gradient, vision included, is the same as without it."""
 
     model = models[0]
     ckpt = copy.deepcopy(model)
-    enable_checkpointing(ckpt)
+    enable_checkpointing(ckpt, layer_recompute=layer_recompute)
     prompts, responses, lens = _batch()
     grads = []
     for m in (model, ckpt):
@@ -289,7 +291,7 @@ def _layer_activations(model, refs: list) -> list:
     ]
 
 
-@pytest.mark.parametrize("checkpointing", [False, True])
+@pytest.mark.parametrize("checkpointing", ["off", "recompute", "torch"])
 @pytest.mark.parametrize("ending", ["dropped", "suffix-dropped", "raised", "retained-backward"])
 def test_attached_passes_free_their_tensors_however_they_end(models, checkpointing, ending):
     """An attached prefix is freed once dropped, however its pass ended: dropped without a backward pass
@@ -297,11 +299,12 @@ def test_attached_passes_free_their_tensors_however_they_end(models, checkpointi
     it, raised inside the pass (the final norm fails), or after a backward that kept the graph
     (``retain_graph``). Under activation checkpointing the layers' recompute closures keep the prefix
     plan alive through the autograd graph: a boundary tensor left in the plan, or recorded there by a
-    recompute, made a cycle Python's collector cannot see into, and the pass's memory was never freed."""
+    recompute, made a cycle Python's collector cannot see into, and the pass's memory was never freed
+    (torch's checkpoint; layer recompute keeps no reference to the plan)."""
     m = copy.deepcopy(models[0]).requires_grad_(True)
-    if checkpointing:
-        enable_checkpointing(m)
-    assert m.model.language_model.layers[0].gradient_checkpointing == checkpointing
+    if checkpointing != "off":
+        enable_checkpointing(m, layer_recompute=checkpointing == "recompute")
+    assert m.model.language_model.layers[0].gradient_checkpointing == (checkpointing != "off")
     prompts, responses, _ = _batch()
     refs: list = []
     hooks = _layer_activations(m, refs)

@@ -75,6 +75,21 @@ def test_schedules_give_identical_parameters(assets, tmp_path):  # noqa: F811
     assert any(r.get("kl", 0) > 0 for r in metrics["serial"])  # the reference path really ran
 
 
+def test_schedules_give_identical_parameters_under_checkpointing(assets, tmp_path):  # noqa: F811
+    """With ``model.gradient_checkpointing`` on (layer recompute in the prefix passes, whose forward runs
+    without autograd; torch's checkpoint in the suffix passes) serial, rollplex and rollplex with
+    prefill fusion end with bitwise the same weights, optimizer tensors and metrics, and the weights
+    moved."""
+    runs = {}
+    for name in ("serial", "rollplex", "fused"):
+        overrides = {"algo.kl_coef": 0.05, "eval.every": 0, "run.device": "cpu", **SCHEDULES[name]}
+        overrides["model.gradient_checkpointing"] = "true"
+        overrides["reward.functions"] = "[rollplex.bench.common:distinct_reward]"  # a nonzero update
+        runs[name] = train(_config(assets, tmp_path / name, 2, **overrides))
+    assert_moved(runs["serial"], assets[0])
+    assert_same_update(runs)
+
+
 def assert_moved(run, model_dir) -> dict[str, torch.Tensor]:
     """The run folder's final weights, after asserting that some differ from the initial checkpoint's
     in ``model_dir`` (cast to the run's dtype): a zero update would make any comparison of schedules

@@ -1,0 +1,172 @@
+"""Activation checkpointing whose forward runs without autograd: layer recompute.
+
+Each checkpointed decoder layer or vision block runs its forward inside one autograd Function, with
+autograd off, keeping only the layer's inputs; backward runs the layer again with autograd on and
+back-propagates through that recomputation (Chen et al. 2016, "Training Deep Nets with Sublinear
+Memory Cost", §4; the reentrant scheme of ``torch.utils.checkpoint``).
+
+Why not torch's non-reentrant checkpoint, which training used before: its forward builds the layer's
+whole autograd graph and passes every tensor the graph saves through Python hooks. Measured on one H200
+at the 3B shape, that made the actor's attached prefix pass host-bound (docs/benchmarks.md, "The
+actor's attached prefix"). A forward without autograd issues what the detached prefix pass issues.
+
+Why not torch's reentrant checkpoint: a prefill layer has a second output, the boundary keys and
+values it records in its ``PrefixPlan``, and the suffix back-propagates into them. Here those are
+outputs of the Function: the layer runs against a scratch plan of its own, in forward and again in
+backward, and the Function's outputs are what the caller's plan records.
+
+Which layer calls recompute this way (``recomputable``): those whose tensors that need a gradient are
+all positional arguments — the hidden states of a prefix pass or a vision block. A suffix layer reads
+the attached boundary keys and values through its ``SuffixPlan``, a keyword argument; it keeps torch's
+non-reentrant checkpoint, which tracks such captured tensors.
+
+Like torch's reentrant checkpoint, gradients reach the layer's parameters by a backward inside backward,
+so the outer call must be ``Tensor.backward`` / ``torch.autograd.backward`` without ``inputs``;
+``torch.autograd.grad`` raises (RuntimeError). The RNG state is not restored for the recomputation:
+``enable`` checks that the model has no active dropout.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Callable
+
+import torch
+
+from rollplex.models.attention import PLAN_KEYWORD, PrefixPlan
+
+
+def enable(model, fallback: Callable) -> None:
+    """Make every layer that transformers checkpoints (``gradient_checkpointing`` set, as
+    ``activation_checkpointing_enable`` leaves it) use layer recompute, and ``fallback`` (a
+    ``torch.utils.checkpoint.checkpoint`` with its options) for calls that are not ``recomputable``.
+
+    Raises:
+        ValueError: the model has active dropout in training mode (the recomputation would draw other
+            masks than the forward).
+    """
+    dropout = _active_dropout(model)
+    if dropout:
+        raise ValueError(f"layer recompute does not restore the RNG state, and {dropout} has dropout")
+    for module in model.modules():
+        if getattr(module, "gradient_checkpointing", False) and hasattr(
+            module, "_gradient_checkpointing_func"
+        ):
+            module._gradient_checkpointing_func = functools.partial(checkpoint, fallback=fallback)
+
+
+def _active_dropout(model) -> str | None:
+    """The name of a module of ``model`` with a dropout probability above zero, or None."""
+    for name, module in model.named_modules():
+        p = module.p if isinstance(module, torch.nn.Dropout) else getattr(module, "attention_dropout", 0.0)
+        if p:
+            return name or type(module).__name__
+    return None
+
+
+def checkpoint(function: functools.partial, *args, fallback: Callable):
+    """A checkpointed layer call (transformers' ``_gradient_checkpointing_func`` contract: ``function``
+    is the layer's call with its keyword arguments bound, ``args`` its positional arguments).
+
+    Returns the layer's output (a tensor), attached to autograd through ``_LayerRecompute``; where the
+    call is not ``recomputable``, ``fallback(function, *args)``. A prefill layer's boundary keys and
+    values are recorded in the caller's ``PrefixPlan`` as outputs of the same Function."""
+    if not recomputable(function, args):
+        return fallback(function, *args)
+    plan = function.keywords.get(PLAN_KEYWORD)
+    layer = _Layer(function.func, function.args, function.keywords)
+    recorded: list[int] = []
+    out, *boundary = _LayerRecompute.apply(layer, recorded, *args)
+    if isinstance(plan, PrefixPlan) and plan.recording:
+        for i, index in enumerate(recorded):
+            plan.keys[index], plan.values[index] = boundary[2 * i], boundary[2 * i + 1]
+    return out
+
+
+def recomputable(function, args: tuple) -> bool:
+    """Whether a checkpointed call can use layer recompute: ``function`` is a ``functools.partial``,
+    every positional argument is a tensor and one of them needs a gradient, and no keyword argument
+    holds a tensor that needs one (a ``PrefixPlan`` is replaced by the layer's own, so it is not
+    looked into)."""
+    if not isinstance(function, functools.partial) or not args:
+        return False
+    if not all(isinstance(a, torch.Tensor) for a in args) or not any(a.requires_grad for a in args):
+        return False
+    return not any(
+        _needs_grad(v)
+        for k, v in function.keywords.items()
+        if not (k == PLAN_KEYWORD and isinstance(v, PrefixPlan))
+    )
+
+
+def _needs_grad(value) -> bool:
+    """Whether ``value`` is, or holds (in lists, tuples, dicts and dataclass fields), a tensor that
+    needs a gradient."""
+    if isinstance(value, torch.Tensor):
+        return value.requires_grad
+    if isinstance(value, (list, tuple)):
+        return any(_needs_grad(v) for v in value)
+    if isinstance(value, dict):
+        return any(_needs_grad(v) for v in value.values())
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return any(_needs_grad(getattr(value, f.name)) for f in dataclasses.fields(value))
+    return False
+
+
+@dataclasses.dataclass(frozen=True)
+class _Layer:
+    """A layer call without the caller's prefix plan: ``run`` binds a fresh one, so that neither the
+    forward nor the recomputation writes into the caller's plan, and the Function keeps no reference
+    to it."""
+
+    func: Callable
+    args: tuple
+    keywords: dict
+
+    def run(self, inputs) -> tuple[torch.Tensor, dict[int, torch.Tensor], dict[int, torch.Tensor]]:
+        """(output, boundary keys by layer index, boundary values by layer index) of the layer on
+        ``inputs``; the dicts are empty for a layer without a prefix plan."""
+        keywords = dict(self.keywords)
+        scratch = None
+        if isinstance(keywords.get(PLAN_KEYWORD), PrefixPlan):
+            scratch = keywords[PLAN_KEYWORD] = PrefixPlan()
+        out = self.func(*self.args, *inputs, **keywords)
+        if not isinstance(out, torch.Tensor):
+            raise TypeError(f"layer recompute expects a layer to return a tensor, got {type(out).__name__}")
+        return out, (scratch.keys if scratch else {}), (scratch.values if scratch else {})
+
+
+def _outputs(out: torch.Tensor, keys: dict, values: dict) -> tuple[torch.Tensor, ...]:
+    """The Function's outputs: the layer's output, then keys and values in layer order, interleaved."""
+    return (out, *[t for index in sorted(keys) for t in (keys[index], values[index])])
+
+
+class _LayerRecompute(torch.autograd.Function):
+    """forward(layer, recorded, *inputs) → (output, key, value, …): the layer without autograd, keeping
+    ``inputs``; the recorded layer indices are appended to ``recorded``. backward recomputes the layer
+    with autograd and back-propagates the gradients of every output that received one."""
+
+    @staticmethod
+    def forward(ctx, layer: _Layer, recorded: list[int], *inputs):
+        ctx.layer = layer
+        ctx.save_for_backward(*inputs)
+        ctx.set_materialize_grads(False)
+        out, keys, values = layer.run(inputs)
+        recorded.extend(sorted(keys))
+        return _outputs(out, keys, values)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        if not torch.autograd._is_checkpoint_valid():
+            raise RuntimeError(
+                "layer recompute supports Tensor.backward / torch.autograd.backward without inputs, "
+                "not torch.autograd.grad"
+            )
+        inputs = [x.detach().requires_grad_(x.requires_grad) for x in ctx.saved_tensors]
+        with torch.enable_grad():
+            outputs = _outputs(*ctx.layer.run(inputs))
+        pairs = [(o, g) for o, g in zip(outputs, grads, strict=True) if g is not None and o.requires_grad]
+        if pairs:
+            torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
+        return (None, None, *(x.grad if x.requires_grad else None for x in inputs))
