@@ -193,7 +193,7 @@ def build_run(cfg: Config) -> Run:
         actor.model.visual.requires_grad_(False)
     if cfg.model.gradient_checkpointing:
         # transformers checkpoints a layer only in training mode; Qwen2.5-VL has no active dropout.
-        enable_checkpointing(actor)
+        enable_checkpointing(actor, layer_recompute=cfg.model.layer_recompute)
     reference = None
     if cfg.algo.kl_coef > 0:
         reference = load_model(cfg.model.path, dtype, device, trainable=False, **vision)

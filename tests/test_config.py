@@ -39,6 +39,7 @@ SPEC_DEFAULTS = {
         "path": "",
         "freeze_vision": False,
         "gradient_checkpointing": False,
+        "layer_recompute": True,
         "vision_attention": "batched",
         "vision_mlp_padding": True,
         "compile_layers": True,

@@ -87,7 +87,8 @@ class _Workload:
 
         dtype = getattr(torch, cfg.dtype)
         self.actor = workload_model(cfg, device)
-        if cfg.gradient_checkpointing:
+        self.checkpointing = cfg.gradient_checkpointing
+        if self.checkpointing:  # before the copy, which the reference has always been made from
             enable_checkpointing(self.actor)
         self.reference = copy.deepcopy(self.actor).requires_grad_(False)
         self.initial = {k: v.detach().clone() for k, v in self.actor.state_dict().items()}
@@ -129,6 +130,8 @@ class _Workload:
         config = load_config(
             None, [f"{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in items.items()]
         )
+        if self.checkpointing:
+            enable_checkpointing(self.actor, layer_recompute=config.model.layer_recompute)
         compiled = compiles_layers(config.model.compile_layers, self.device)
         for model in (self.actor, self.reference):
             prepare_model(

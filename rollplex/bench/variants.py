@@ -75,6 +75,10 @@ serial-whole-batch    serial, every group of the mini-batch in one actor micro-b
                       (algo.micro_batch_groups: 0; every other row backpropagates one group at a time)
 both-whole-batch      both, likewise (its speedup and parameter difference are against
                       serial-whole-batch, which accumulates its gradient the same way)
+serial-torch-checkpoint  serial with torch's non-reentrant checkpoint in every layer
+                      (model.layer_recompute off; every other row runs the prefix and vision layers'
+                      forward without autograd under checkpointing)
+both-torch-checkpoint both, likewise (compared with serial-torch-checkpoint)
 serial-again          serial once more: whether serial's own update is the same from run to run
                       (its parameter and optimizer differences are against serial's)
 serial-causal         serial, the suffix attention as one SDPA call per group with a bottom-right
@@ -105,6 +109,8 @@ ROWS = {
     "both-parts": {**_BOTH, "model.compile_scope": "parts"},
     "serial-whole-batch": {"run.schedule": "serial", "algo.micro_batch_groups": 0},
     "both-whole-batch": {**_BOTH, "algo.micro_batch_groups": 0},
+    "serial-torch-checkpoint": {"run.schedule": "serial", "model.layer_recompute": False},
+    "both-torch-checkpoint": {**_BOTH, "model.layer_recompute": False},
     "serial-again": {"run.schedule": "serial"},
     **{
         f"{row}-{name}": settings
@@ -119,6 +125,10 @@ ROW_ENV = {
     for row in ("serial", "both")
 }
 # the row each row is compared with (speedup, saving, parameter difference): the serial row that
-# splits its mini-batch into the same micro-batches, so its gradient sums in the same order
-BASELINES = {name: "serial-whole-batch" if name.endswith("-whole-batch") else "serial" for name in ROWS}
+# splits its mini-batch into the same micro-batches and checkpoints the same way, so its gradient sums
+# in the same order
+_OWN_BASELINE = ("-whole-batch", "-torch-checkpoint")
+BASELINES = {
+    name: next((f"serial{end}" for end in _OWN_BASELINE if name.endswith(end)), "serial") for name in ROWS
+}
 MAIN_ROWS = ("serial", "overlap", "fusion", "both", "auto")

@@ -25,13 +25,15 @@ def _tiny(**changes) -> ScheduleBenchConfig:
 
 
 def test_rows_reach_the_same_parameters(tmp_path):
-    """Every row ends at its baseline's parameters (serial's, or serial-whole-batch's for the rows that
-    accumulate their gradient over the whole mini-batch at once), and its speedup is against that row."""
+    """Every row ends at its baseline's parameters (serial's; serial-whole-batch's for the rows that
+    accumulate their gradient over the whole mini-batch at once; serial-torch-checkpoint's for the rows
+    under torch's checkpoint), and its speedup is against that row."""
     rows = tuple(name for name in ROWS if name not in ROW_ENV)  # flex_attention has no CPU backward
     cfg = _tiny(gradient_checkpointing=False, rows=rows, auto_trials=1)
     result = run_schedule_bench(cfg, tmp_path / "schedule.json")
     assert set(result.rows) == set(rows)
-    baselines = {"serial", "serial-whole-batch"}  # compared with nothing but themselves
+    baselines = {name for name in rows if BASELINES[name] == name}  # compared with nothing but themselves
+    assert baselines == {"serial", "serial-whole-batch", "serial-torch-checkpoint"}
     for name, row in result.rows.items():
         assert row.get("max_abs_param_diff_vs_serial", 0.0) == 0.0
         assert row.get("optimizer_tensors_differing", 0) == 0
@@ -47,6 +49,7 @@ def test_rows_reach_the_same_parameters(tmp_path):
         assert row["step_s_median"] > 0 and row["eq1/T_D"] > 0
     assert result.rows["both-whole-batch"]["baseline"] == "serial-whole-batch"
     assert result.rows["both"]["baseline"] == "serial"
+    assert result.rows["both-torch-checkpoint"]["baseline"] == "serial-torch-checkpoint"
     assert result.rows["auto"]["auto_policy"]
     assert result.rows["auto"]["steps_taken"] == 1 + len(result.rows["auto"]["auto_trials_span_s"])
     assert (tmp_path / "schedule.json").exists()
