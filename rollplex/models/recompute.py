@@ -3,12 +3,13 @@
 Each checkpointed decoder layer or vision block runs its forward inside one autograd Function, with
 autograd off, keeping only the layer's inputs; backward runs the layer again with autograd on and
 back-propagates through that recomputation (Chen et al. 2016, "Training Deep Nets with Sublinear
-Memory Cost", §4; the reentrant scheme of ``torch.utils.checkpoint``).
+Memory Cost"; the reentrant scheme of ``torch.utils.checkpoint``).
 
 Why not torch's non-reentrant checkpoint, which training used before: its forward builds the layer's
 whole autograd graph and passes every tensor the graph saves through Python hooks. Measured on one H200
-at the 3B shape, that made the actor's attached prefix pass host-bound (docs/benchmarks.md, "The
-actor's attached prefix"). A forward without autograd issues what the detached prefix pass issues.
+at the 3B shape, that made the actor's attached prefix pass host-bound: 119.9 ms per group against 91.6
+ms this way, and 90.9 ms for the detached pass (docs/benchmarks.md, "Layer recompute"). A forward without
+autograd issues what the detached prefix pass issues.
 
 Why not torch's reentrant checkpoint: a prefill layer has a second output, the boundary keys and
 values it records in its ``PrefixPlan``, and the suffix back-propagates into them. Here those are
@@ -72,10 +73,16 @@ def checkpoint(function: functools.partial, *args, fallback: Callable):
     Returns the layer's output (a tensor), attached to autograd through ``_LayerRecompute``; where the
     call is not ``recomputable``, ``fallback(function, *args)``. A prefill layer's boundary keys and
     values are recorded in the caller's ``PrefixPlan`` as outputs of the same Function."""
+    if not torch.is_grad_enabled():  # transformers 5.17 checkpoints under no_grad too: nothing to keep
+        return function(*args)
     if not recomputable(function, args):
         return fallback(function, *args)
-    plan = function.keywords.get(PLAN_KEYWORD)
-    layer = _Layer(function.func, function.args, function.keywords)
+    keywords = dict(function.keywords)
+    plan = keywords.get(PLAN_KEYWORD)
+    prefill = isinstance(plan, PrefixPlan)
+    if prefill:
+        del keywords[PLAN_KEYWORD]
+    layer = _Layer(function.func, function.args, keywords, prefill)
     recorded: list[int] = []
     out, *boundary = _LayerRecompute.apply(layer, recorded, *args)
     if isinstance(plan, PrefixPlan) and plan.recording:
@@ -122,19 +129,18 @@ class _Layer:
 
     func: Callable
     args: tuple
-    keywords: dict
+    keywords: dict  # without a prefix plan
+    prefill: bool  # the call had a prefix plan, for which ``run`` binds its own
 
     def run(self, inputs) -> tuple[torch.Tensor, dict[int, torch.Tensor], dict[int, torch.Tensor]]:
         """(output, boundary keys by layer index, boundary values by layer index) of the layer on
         ``inputs``; the dicts are empty for a layer without a prefix plan."""
-        keywords = dict(self.keywords)
-        scratch = None
-        if isinstance(keywords.get(PLAN_KEYWORD), PrefixPlan):
-            scratch = keywords[PLAN_KEYWORD] = PrefixPlan()
+        plan = PrefixPlan()
+        keywords = {**self.keywords, PLAN_KEYWORD: plan} if self.prefill else self.keywords
         out = self.func(*self.args, *inputs, **keywords)
         if not isinstance(out, torch.Tensor):
             raise TypeError(f"layer recompute expects a layer to return a tensor, got {type(out).__name__}")
-        return out, (scratch.keys if scratch else {}), (scratch.values if scratch else {})
+        return out, plan.keys, plan.values
 
 
 def _outputs(out: torch.Tensor, keys: dict, values: dict) -> tuple[torch.Tensor, ...]:

@@ -109,6 +109,36 @@ def test_the_fallback_takes_what_recompute_cannot(models):  # noqa: F811
     assert torch.equal(out, torch.full((2,), 2.0)) and len(calls) == 1
 
 
+def test_a_suffix_plan_without_attached_tensors_reaches_the_layer():
+    """A suffix plan whose boundary needs no gradient (the reference's) is recomputable, and the layer
+    receives it, in forward and in the recomputation; a prefix plan is replaced by the layer's own."""
+    seen = []
+
+    def layer(h, **keywords):
+        seen.append(keywords[PLAN_KEYWORD])
+        return h * 2.0
+
+    suffix = SuffixPlan([torch.zeros(2)], [torch.zeros(2)], torch.zeros(1), 1)
+    x = torch.ones(2, requires_grad=True)
+    out = recompute.checkpoint(functools.partial(layer, **{PLAN_KEYWORD: suffix}), x, fallback=None)
+    out.sum().backward()
+    assert [plan is suffix for plan in seen] == [True, True] and torch.equal(x.grad, torch.full((2,), 2.0))
+    prefix = PrefixPlan()
+    recompute.checkpoint(functools.partial(layer, **{PLAN_KEYWORD: prefix}), x, fallback=None)
+    assert isinstance(seen[-1], PrefixPlan) and seen[-1] is not prefix
+
+
+def test_without_autograd_the_layer_runs_as_it_is():
+    """Under ``torch.no_grad()`` (transformers 5.17 checkpoints there too) the layer is called directly,
+    with the caller's plan."""
+    seen = []
+    prefix = PrefixPlan()
+    function = functools.partial(lambda h, **kw: seen.append(kw[PLAN_KEYWORD]) or h, **{PLAN_KEYWORD: prefix})
+    with torch.no_grad():
+        recompute.checkpoint(function, torch.ones(2, requires_grad=True), fallback=None)
+    assert len(seen) == 1 and seen[0] is prefix
+
+
 def test_dropout_is_refused(models):  # noqa: F811
     """The recomputation does not restore the RNG state, so a model with dropout is refused, by name."""
     m = copy.deepcopy(models[0])
