@@ -369,9 +369,9 @@ def run_schedule_bench(cfg: ScheduleBenchConfig, out: Path | None = None) -> Sch
 
 
 def _free_previous_row(device: torch.device) -> None:
-    """Free what the previous row left: its roles (an optimizer's FP32 state is about 45 GB at 3B) can
+    """Free what the previous row left: its roles (an optimizer's FP32 state is about 42 GiB at 3B) may
     sit in reference cycles until Python's collector runs, which would leave the next row short of
-    memory."""
+    memory (a fourth row once ran out of memory with about 44 GiB more allocated than it peaks at)."""
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()

@@ -49,8 +49,9 @@ class PrefixPlan:
         [1, Hkv, P, D]; leaves the plan empty and no longer recording (a second call returns two empty
         lists).
 
-        Under activation checkpointing the plan is one of the layers' keyword arguments, which each
-        layer's recompute closure keeps, and the autograd graph keeps the closures. A boundary tensor
+        Under torch's activation checkpoint the plan is one of the layers' keyword arguments, which
+        each layer's recompute closure keeps, and the autograd graph keeps the closures (layer
+        recompute, ``models.recompute``, gives each layer a plan of its own and keeps none). A boundary tensor
         left in the plan, or one a recompute in backward records there, would close a cycle through
         that graph, which Python's collector cannot see into: an attached prefix dropped without its
         backward pass (a step that raised after the pass and before the actor's backward), or kept for
@@ -138,7 +139,7 @@ def rollplex_attention(module, query, key, value, attention_mask, scaling=None, 
     plan = kwargs[PLAN_KEYWORD]
     layer = module.layer_idx
     if isinstance(plan, PrefixPlan):
-        if plan.recording:  # not in checkpointing's recompute (PrefixPlan.take_boundary)
+        if plan.recording:  # not in torch's checkpoint recompute (PrefixPlan.take_boundary)
             plan.keys[layer], plan.values[layer] = key, value
         out = F.scaled_dot_product_attention(
             query, key, value, is_causal=True, scale=scaling, enable_gqa=True

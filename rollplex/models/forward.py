@@ -95,10 +95,11 @@ def enable_checkpointing(model, *, layer_recompute: bool = True) -> None:
     (Qwen2.5-VL has no active dropout): transformers' activation checkpointing
     (``activation_checkpointing_enable``; ``gradient_checkpointing_enable`` on releases before it) with
     torch's non-reentrant checkpoint, and with ``layer_recompute`` each layer call that can be run by
-    ``models.recompute`` instead (forward without autograd; every call but the suffix layers').
+    ``models.recompute`` instead (forward without autograd): the prefix passes' decoder layers and the
+    vision blocks whose input needs a gradient; the suffix layers keep torch's checkpoint.
 
     Raises:
-        ValueError: ``layer_recompute`` on a model with active dropout (``models.recompute.enable``).
+        ValueError: ``layer_recompute`` on a model with dropout (``models.recompute.enable``).
     """
     options = {"use_reentrant": False}
     enable = getattr(model, "activation_checkpointing_enable", None)

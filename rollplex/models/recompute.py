@@ -16,15 +16,17 @@ values it records in its ``PrefixPlan``, and the suffix back-propagates into the
 outputs of the Function: the layer runs against a scratch plan of its own, in forward and again in
 backward, and the Function's outputs are what the caller's plan records.
 
-Which layer calls recompute this way (``recomputable``): those whose tensors that need a gradient are
-all positional arguments — the hidden states of a prefix pass or a vision block. A suffix layer reads
-the attached boundary keys and values through its ``SuffixPlan``, a keyword argument; it keeps torch's
-non-reentrant checkpoint, which tracks such captured tensors.
+Which layer calls recompute this way (``recomputable``): those with a positional tensor that needs a
+gradient and no other tensor that needs one outside the positional arguments — the hidden states of a
+prefix pass or a vision block. A suffix layer reads the attached boundary keys and values through its
+``SuffixPlan``, a keyword argument; it keeps torch's non-reentrant checkpoint, which tracks such captured
+tensors. So do calls whose input needs no gradient (a frozen vision tower's blocks with a trainable
+merger) and calls under autocast, whose state the recomputation would not restore.
 
 Like torch's reentrant checkpoint, gradients reach the layer's parameters by a backward inside backward,
-so the outer call must be ``Tensor.backward`` / ``torch.autograd.backward`` without ``inputs``;
-``torch.autograd.grad`` raises (RuntimeError). The RNG state is not restored for the recomputation:
-``enable`` checks that the model has no active dropout.
+so the outer call must be ``Tensor.backward`` / ``torch.autograd.backward`` without ``inputs`` and
+without ``create_graph``; otherwise backward raises RuntimeError. The RNG state is not restored for the
+recomputation: ``enable`` refuses a model with dropout.
 """
 
 from __future__ import annotations
@@ -44,12 +46,15 @@ def enable(model, fallback: Callable) -> None:
     ``torch.utils.checkpoint.checkpoint`` with its options) for calls that are not ``recomputable``.
 
     Raises:
-        ValueError: the model has active dropout in training mode (the recomputation would draw other
-            masks than the forward).
+        ValueError: a module of the model has a dropout probability above zero (the recomputation would
+            draw other masks than the forward); the message names it.
     """
     dropout = _active_dropout(model)
     if dropout:
-        raise ValueError(f"layer recompute does not restore the RNG state, and {dropout} has dropout")
+        raise ValueError(
+            f"layer recompute does not restore the RNG state, and {dropout} has dropout; "
+            "set model.layer_recompute: false to checkpoint with torch's checkpoint instead"
+        )
     for module in model.modules():
         if getattr(module, "gradient_checkpointing", False) and hasattr(
             module, "_gradient_checkpointing_func"
@@ -58,24 +63,38 @@ def enable(model, fallback: Callable) -> None:
 
 
 def _active_dropout(model) -> str | None:
-    """The name of a module of ``model`` with a dropout probability above zero, or None."""
+    """The name of a module of ``model`` with a dropout probability above zero (a dropout module, or an
+    attention module's ``attention_dropout`` rate), or None."""
     for name, module in model.named_modules():
-        p = module.p if isinstance(module, torch.nn.Dropout) else getattr(module, "attention_dropout", 0.0)
-        if p:
+        if isinstance(module, torch.nn.modules.dropout._DropoutNd):
+            p = module.p
+        else:
+            rate = getattr(module, "attention_dropout", 0.0)
+            p = rate if isinstance(rate, (int, float)) else 0.0
+        if p > 0:
             return name or type(module).__name__
     return None
 
 
 def checkpoint(function: functools.partial, *args, fallback: Callable):
     """A checkpointed layer call (transformers' ``_gradient_checkpointing_func`` contract: ``function``
-    is the layer's call with its keyword arguments bound, ``args`` its positional arguments).
+    is the layer's call with its keyword arguments bound, ``args`` its positional arguments, the hidden
+    states [1, L, Hd] of a decoder layer or [patches, Hv] of a vision block).
 
-    Returns the layer's output (a tensor), attached to autograd through ``_LayerRecompute``; where the
-    call is not ``recomputable``, ``fallback(function, *args)``. A prefill layer's boundary keys and
-    values are recorded in the caller's ``PrefixPlan`` as outputs of the same Function."""
-    if not torch.is_grad_enabled():  # transformers 5.17 checkpoints under no_grad too: nothing to keep
+    Returns the layer's output (the same shape and dtype), attached to autograd through
+    ``_LayerRecompute``; under ``torch.no_grad()`` the layer's own call (transformers 5.17 checkpoints
+    there too); where the call is not ``recomputable`` or autocast is on, ``fallback(function, *args)``.
+    A prefill layer's boundary keys and values ([1, Hkv, L, D] each) are recorded in the caller's
+    ``PrefixPlan`` as outputs of the same Function.
+
+    Raises:
+        TypeError: the layer returned something other than a tensor.
+        RuntimeError (in backward): the backward is ``torch.autograd.grad``, has ``inputs`` or
+            ``create_graph``.
+    """
+    if not torch.is_grad_enabled():
         return function(*args)
-    if not recomputable(function, args):
+    if _autocast() or not recomputable(function, args):
         return fallback(function, *args)
     keywords = dict(function.keywords)
     plan = keywords.get(PLAN_KEYWORD)
@@ -89,6 +108,11 @@ def checkpoint(function: functools.partial, *args, fallback: Callable):
         for i, index in enumerate(recorded):
             plan.keys[index], plan.values[index] = boundary[2 * i], boundary[2 * i + 1]
     return out
+
+
+def _autocast() -> bool:
+    """Whether autocast is on for CUDA or the CPU (the recomputation would run without it)."""
+    return torch.is_autocast_enabled("cuda") or torch.is_autocast_enabled("cpu")
 
 
 def recomputable(function, args: tuple) -> bool:
@@ -164,10 +188,10 @@ class _LayerRecompute(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, *grads):
-        if not torch.autograd._is_checkpoint_valid():
+        if not torch.autograd._is_checkpoint_valid() or torch.is_grad_enabled():
             raise RuntimeError(
-                "layer recompute supports Tensor.backward / torch.autograd.backward without inputs, "
-                "not torch.autograd.grad"
+                "layer recompute supports Tensor.backward / torch.autograd.backward without inputs and "
+                "without create_graph, not torch.autograd.grad"
             )
         inputs = [x.detach().requires_grad_(x.requires_grad) for x in ctx.saved_tensors]
         with torch.enable_grad():

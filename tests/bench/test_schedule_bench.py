@@ -55,6 +55,24 @@ def test_rows_reach_the_same_parameters(tmp_path):
     assert (tmp_path / "schedule.json").exists()
 
 
+def test_each_row_checkpoints_as_its_config_says(monkeypatch):
+    """With checkpointing on, the workload enables it once and every row again as its config says: the
+    torch-checkpoint rows with torch's checkpoint in every layer, the others with layer recompute."""
+    import rollplex.bench.schedule as schedule
+
+    calls, enable = [], schedule.enable_checkpointing
+
+    def spy(model, **kwargs):
+        calls.append(kwargs.get("layer_recompute", True))
+        enable(model, **kwargs)
+
+    monkeypatch.setattr(schedule, "enable_checkpointing", spy)
+    rows = ("serial", "serial-torch-checkpoint", "both")
+    result = run_schedule_bench(_tiny(gradient_checkpointing=True, rows=rows))
+    assert calls == [True, True, False, True]
+    assert all(result.rows[name]["step_s_median"] > 0 for name in rows)
+
+
 def test_a_row_whose_layers_ran_uncompiled_says_so(monkeypatch, capsys):
     import rollplex.bench.schedule as schedule
 

@@ -96,22 +96,30 @@ def test_recomputable_calls():
     assert not recompute.recomputable(layer, (x,))
 
 
-def test_the_fallback_takes_what_recompute_cannot(models):  # noqa: F811
-    """Calls that are not recomputable go to the fallback with their arguments unchanged."""
+def test_the_fallback_takes_what_recompute_cannot():
+    """Calls that are not recomputable, and calls under autocast (whose state the recomputation would
+    not restore), go to the fallback with the same function and arguments."""
     calls = []
 
     def fallback(function, *args):
-        calls.append(args)
+        calls.append((function, args))
         return function(*args)
 
     x = torch.ones(2, requires_grad=True)
-    out = recompute.checkpoint(functools.partial(torch.mul, other=2.0), x.detach(), fallback=fallback)
-    assert torch.equal(out, torch.full((2,), 2.0)) and len(calls) == 1
+    detached = x.detach()  # nothing needs a gradient
+    function = functools.partial(torch.mul, other=2.0)
+    out = recompute.checkpoint(function, detached, fallback=fallback)
+    assert torch.equal(out, torch.full((2,), 2.0))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        recompute.checkpoint(function, x, fallback=fallback)
+    assert [f is function for f, _ in calls] == [True, True]
+    assert [len(a) == 1 and a[0] is b for (_, a), b in zip(calls, (detached, x), strict=True)] == [True, True]
 
 
 def test_a_suffix_plan_without_attached_tensors_reaches_the_layer():
-    """A suffix plan whose boundary needs no gradient (the reference's) is recomputable, and the layer
-    receives it, in forward and in the recomputation; a prefix plan is replaced by the layer's own."""
+    """A suffix plan whose boundary needs no gradient (detached keys and values) leaves the call
+    recomputable, and the layer receives it, in forward and in the recomputation; a prefix plan is
+    replaced by the layer's own."""
     seen = []
 
     def layer(h, **keywords):
@@ -139,10 +147,28 @@ def test_without_autograd_the_layer_runs_as_it_is():
     assert len(seen) == 1 and seen[0] is prefix
 
 
+@pytest.mark.filterwarnings("ignore:Using backward\\(\\) with create_graph=True")
+def test_misuse_raises():
+    """A layer that returns something other than a tensor, and a backward with ``create_graph`` (whose
+    second-order terms the recomputation would not build), raise."""
+    x = torch.ones(2, requires_grad=True)
+    with pytest.raises(TypeError, match="return a tensor, got tuple"):
+        recompute.checkpoint(functools.partial(lambda h: (h * 2.0,)), x, fallback=None)
+    out = recompute.checkpoint(functools.partial(lambda h: h * h), x, fallback=None)
+    with pytest.raises(RuntimeError, match="without create_graph"):
+        out.sum().backward(create_graph=True)
+
+
 def test_dropout_is_refused(models):  # noqa: F811
-    """The recomputation does not restore the RNG state, so a model with dropout is refused, by name."""
+    """The recomputation does not restore the RNG state, so a model with dropout is refused, by name
+    (attention dropout rates and every dropout module); dropout modules with p = 0 are not."""
     m = copy.deepcopy(models[0])
     m.model.language_model.layers[1].self_attn.attention_dropout = 0.1
-    with pytest.raises(ValueError, match="layers.1.self_attn has dropout"):
+    with pytest.raises(ValueError, match="layers.1.self_attn has dropout; set model.layer_recompute: false"):
         enable_checkpointing(m)
     enable_checkpointing(m, layer_recompute=False)  # torch's checkpoint restores it
+    m.model.language_model.layers[1].self_attn.attention_dropout = torch.nn.Dropout(0.0)
+    enable_checkpointing(m)
+    m.model.visual.blocks[0].mlp.extra = torch.nn.Dropout1d(0.3)
+    with pytest.raises(ValueError, match="blocks.0.mlp.extra has dropout"):
+        enable_checkpointing(m)

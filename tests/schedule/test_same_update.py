@@ -79,15 +79,27 @@ def test_schedules_give_identical_parameters_under_checkpointing(assets, tmp_pat
     """With ``model.gradient_checkpointing`` on (layer recompute in the prefix passes, whose forward runs
     without autograd; torch's checkpoint in the suffix passes) serial, rollplex and rollplex with
     prefill fusion end with bitwise the same weights, optimizer tensors and metrics, and the weights
-    moved."""
+    moved; serial under torch's checkpoint everywhere (``model.layer_recompute: false``) ends with the
+    same optimizer tensors up to rounding."""
     runs = {}
-    for name in ("serial", "rollplex", "fused"):
-        overrides = {"algo.kl_coef": 0.05, "eval.every": 0, "run.device": "cpu", **SCHEDULES[name]}
+    for name in ("serial", "rollplex", "fused", "torch-checkpoint"):
+        overrides = {"algo.kl_coef": 0.05, "eval.every": 0, "run.device": "cpu", **SCHEDULES.get(name, {})}
         overrides["model.gradient_checkpointing"] = "true"
+        overrides["model.layer_recompute"] = str(name != "torch-checkpoint").lower()
         overrides["reward.functions"] = "[rollplex.bench.common:distinct_reward]"  # a nonzero update
         runs[name] = train(_config(assets, tmp_path / name, 2, **overrides))
     assert_moved(runs["serial"], assets[0])
+    torch_checkpoint = runs.pop("torch-checkpoint")
     assert_same_update(runs)
+    # against torch's checkpoint the parameters' gradients sum in another order: the same update up to
+    # float32 rounding (measured 1.3e-6 relative, AdamW moments included; dropping the boundary keys' and
+    # values' gradients in layer recompute's backward gives 1.38)
+    mine, theirs = optimizer_tensors(runs["serial"]), optimizer_tensors(torch_checkpoint)
+    assert mine.keys() == theirs.keys()
+    worst = max(
+        float((mine[k] - theirs[k]).abs().max() / theirs[k].abs().max().clamp_min(1e-30)) for k in mine
+    )
+    assert worst <= 1e-4
 
 
 def assert_moved(run, model_dir) -> dict[str, torch.Tensor]:
