@@ -136,7 +136,9 @@ class ModelConfig:
 
     path: str = _field("", "local Hugging Face Qwen2.5-VL checkpoint folder (required)")
     freeze_vision: bool = _field(False, "keep the vision tower and merger frozen")
-    gradient_checkpointing: bool = _field(False, "recompute decoder activations in backward")
+    gradient_checkpointing: bool = _field(
+        False, "keep only each decoder layer's and vision block's input, recompute the rest in backward"
+    )
     layer_recompute: bool = _field(
         True,
         "with gradient_checkpointing: the prefix and vision layers' forward runs without autograd and the "
@@ -601,7 +603,8 @@ def load_config(
     if path is not None:
         path = Path(path)
         if not path.is_file():
-            raise ConfigError(f"config file {str(path)!r} does not exist")
+            hint = "" if path.suffix in (".yaml", ".yml") else " (an override is section.field=value)"
+            raise ConfigError(f"config file {str(path)!r} does not exist{hint}")
         _merge(merged, parse_yaml(path.read_text(), str(path)) or {}, "")
     for item in overrides:
         _merge(merged, parse_override(item), "")
@@ -616,10 +619,14 @@ def save_config(cfg: Config, path: str | Path) -> None:
 def validate_for_training(cfg: Config) -> None:
     """Check the fields a training run needs beyond load-time validation.
 
-    Raises ``ConfigError`` when ``model.path`` is empty or not a folder, ``data.train_path`` is empty or
+    Raises ``ConfigError`` when ``run.out_dir`` is empty, ``model.path`` is empty or not a folder, ``data.train_path`` is empty or
     not a file, ``data.val_path``/``data.data_root`` are set but missing, or ``eval.every > 0`` without
     ``data.val_path``.
     """
+    if not cfg.run.out_dir.strip():
+        raise ConfigError(
+            "run.out_dir is required (got ''): the run folder for the config, metrics and checkpoints"
+        )
     required = (
         ("model.path", cfg.model.path, Path.is_dir),
         ("data.train_path", cfg.data.train_path, Path.is_file),

@@ -252,8 +252,12 @@ def test_micro_batches_that_divide_are_accepted():
 
 
 def test_yaml_file_errors(tmp_path):
-    with pytest.raises(ConfigError, match="does not exist"):
+    with pytest.raises(ConfigError, match="does not exist$"):
         load_config(tmp_path / "missing.yaml")
+    with pytest.raises(
+        ConfigError, match=r"'run\.steps' does not exist \(an override is section\.field=value\)"
+    ):
+        load_config("run.steps")  # an override without its "="
     nested = tmp_path / "nested.yaml"
     nested.write_text("data:\n  train_path: a.jsonl\n  fps: 3\n")
     with pytest.raises(ConfigError, match=r"'data\.fps'"):
@@ -312,6 +316,8 @@ def test_validate_for_training(tmp_path):
         validate_for_training(load_config(None, [*ok, f"data.val_path={tmp_path / 'val.jsonl'}"]))
     with pytest.raises(ConfigError, match=r"eval\.every=5 conflicts with data\.val_path=''"):
         validate_for_training(load_config(None, [*ok, "eval.every=5"]))
+    with pytest.raises(ConfigError, match=r"run\.out_dir is required"):  # would write into the current folder
+        validate_for_training(load_config(None, [*ok, "run.out_dir="]))
 
 
 def test_t_grpo_settings_without_alpha_are_reported():
