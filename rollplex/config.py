@@ -603,7 +603,8 @@ def load_config(
     if path is not None:
         path = Path(path)
         if not path.is_file():
-            hint = "" if path.suffix in (".yaml", ".yml") else " (an override is section.field=value)"
+            override = not path.exists() and path.suffix not in (".yaml", ".yml")
+            hint = " (an override is section.field=value)" if override else ""
             raise ConfigError(f"config file {str(path)!r} does not exist{hint}")
         _merge(merged, parse_yaml(path.read_text(), str(path)) or {}, "")
     for item in overrides:
@@ -625,7 +626,8 @@ def validate_for_training(cfg: Config) -> None:
     """
     if not cfg.run.out_dir.strip():
         raise ConfigError(
-            "run.out_dir is required (got ''): the run folder for the config, metrics and checkpoints"
+            f"run.out_dir is required (got {cfg.run.out_dir!r}): the run folder for the config, metrics and "
+            "checkpoints"
         )
     required = (
         ("model.path", cfg.model.path, Path.is_dir),

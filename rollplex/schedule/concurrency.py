@@ -31,7 +31,8 @@ those against the main stream itself (so the attached actor prefix never goes on
 worker stream, so the parameters' gradient accumulators receive gradients from both streams; torch
 reports that with a warning, which ``cross_stream_backward`` turns off for that backward. The mismatch is
 by design, and torch synchronises it (the parameters equal serial's bitwise; on the GPU this was
-tested with checkpointing off, so without layer recompute's backward inside backward).
+tested with checkpointing off and under torch's checkpoint, not yet with layer recompute's backward
+inside backward).
 
 This module is the only place that creates threads or streams for the schedule; model code never
 synchronises. On the CPU the worker is a plain thread (torch releases the GIL inside its kernels), so the

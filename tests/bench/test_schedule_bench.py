@@ -15,6 +15,7 @@ from rollplex.bench.schedule import (
     _Workload,
     run_schedule_bench,
 )
+from rollplex.models import recompute
 from rollplex.models.compiled import compiled_scope
 
 
@@ -63,13 +64,14 @@ def test_each_row_checkpoints_as_its_config_says(monkeypatch):
     calls, enable = [], schedule.enable_checkpointing
 
     def spy(model, **kwargs):
-        calls.append(kwargs.get("layer_recompute", True))
         enable(model, **kwargs)
+        layers = model.model.language_model.layers
+        calls.append({layer._gradient_checkpointing_func.func is recompute.checkpoint for layer in layers})
 
     monkeypatch.setattr(schedule, "enable_checkpointing", spy)
     rows = ("serial", "serial-torch-checkpoint", "both")
     result = run_schedule_bench(_tiny(gradient_checkpointing=True, rows=rows))
-    assert calls == [True, True, False, True]
+    assert calls == [{True}, {True}, {False}, {True}]  # every layer, as each row enabled it
     assert all(result.rows[name]["step_s_median"] > 0 for name in rows)
 
 

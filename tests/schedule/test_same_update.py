@@ -8,9 +8,11 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
+from torch.utils.checkpoint import checkpoint
 
 from rollplex.checkpoint import load_trainer_state
 from rollplex.loop import build_run, train
+from rollplex.models import recompute
 from rollplex.models.compiled import layers_compiled
 from rollplex.observe.metrics import PhaseTimer
 from rollplex.schedule import make_step
@@ -87,7 +89,11 @@ def test_schedules_give_identical_parameters_under_checkpointing(assets, tmp_pat
         overrides["model.gradient_checkpointing"] = "true"
         overrides["model.layer_recompute"] = str(name != "torch-checkpoint").lower()
         overrides["reward.functions"] = "[rollplex.bench.common:distinct_reward]"  # a nonzero update
-        runs[name] = train(_config(assets, tmp_path / name, 2, **overrides))
+        cfg = _config(assets, tmp_path / name, 2, **overrides)
+        layers = build_run(cfg).roles.actor.model.language_model.layers  # checkpointed as configured
+        uses = {layer._gradient_checkpointing_func.func for layer in layers}
+        assert uses == {recompute.checkpoint if name != "torch-checkpoint" else checkpoint}, name
+        runs[name] = train(cfg)
     assert_moved(runs["serial"], assets[0])
     torch_checkpoint = runs.pop("torch-checkpoint")
     assert_same_update(runs)
