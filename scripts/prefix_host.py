@@ -3,7 +3,7 @@ group, with autograd) against the detached pass, per activation-checkpointing se
 bench schedule`` workload (3B architecture, 3,920-token video prompts, bf16, compiled layers).
 
 The attached prefix runs before decode under prefill fusion and at the start of each of serial's actor
-micro-batches; the device waits for the host there (``scripts/host_lag.py``). For each setting, after
+micro-batches; under torch's checkpoint the device waited for the host there (``scripts/host_lag.py``). For each setting, after
 one discarded pass each, ``--repeats`` rounds in which every setting passes over the 8 groups, one group
 at a time, the settings in a new shuffled order each round (seeded): the host's time to issue the
 group's pass (the call returns with work still queued), the time until the device has run it, and the
