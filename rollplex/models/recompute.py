@@ -97,14 +97,11 @@ def checkpoint(function: functools.partial, *args, fallback: Callable):
     if _autocast() or not recomputable(function, args):
         return fallback(function, *args)
     keywords = dict(function.keywords)
-    plan = keywords.get(PLAN_KEYWORD)
-    prefill = isinstance(plan, PrefixPlan)
-    if prefill:
-        del keywords[PLAN_KEYWORD]
-    layer = _Layer(function.func, function.args, keywords, prefill)
+    plan = keywords.pop(PLAN_KEYWORD) if isinstance(keywords.get(PLAN_KEYWORD), PrefixPlan) else None
+    layer = _Layer(function.func, function.args, keywords, prefill=plan is not None)
     recorded: list[int] = []
     out, *boundary = _LayerRecompute.apply(layer, recorded, *args)
-    if isinstance(plan, PrefixPlan) and plan.recording:
+    if plan is not None and plan.recording:
         for i, index in enumerate(recorded):
             plan.keys[index], plan.values[index] = boundary[2 * i], boundary[2 * i + 1]
     return out
