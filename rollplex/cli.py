@@ -415,10 +415,22 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="rollplex", description="Synchronous on-policy GRPO post-training of Qwen2.5-VL models."
     )
-    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    sub = parser.add_subparsers(dest="command", required=True)
     for add in (_add_train, _add_data, _add_model, _add_report, _add_bench):
         add(sub)
+    _name_choices(sub)
     return parser
+
+
+def _name_choices(sub: argparse._SubParsersAction) -> None:
+    """Show ``sub``'s commands, ``{a,b}``, in usage lines and in the missing-command error (argparse names
+    a missing subcommand by its metavar, or else by its internal ``dest``); then those of the parsers
+    under it."""
+    sub.metavar = "{" + ",".join(sub.choices) + "}"
+    for parser in sub.choices.values():
+        for action in parser._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                _name_choices(action)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

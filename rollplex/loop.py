@@ -516,9 +516,22 @@ def _train_step(run: Run, step: int, timer) -> dict:
         )
     record["skipped_samples"] = len(run.train.skipped) + run.malformed
     record["lr"] = run.roles.optimizer.inner.param_groups[0]["lr"]
-    if run.device.type == "cuda":
-        record["peak_memory_gib"] = torch.cuda.max_memory_allocated(run.device) / 2**30
+    record.update(step_memory(run.device))
     return record
+
+
+def step_memory(device: torch.device) -> dict[str, float]:
+    """Device memory of the step just run, GiB (2**30 bytes), from the caching allocator: ``peak_memory_gib``,
+    the most allocated at once since the step's start (the loop resets the peak there), and
+    ``memory_allocated_gib``, what is still allocated after it: weights, optimizer state and whatever
+    outlives the step. The second should stay flat from step to step; growth is a leak. Empty on a device
+    other than CUDA."""
+    if device.type != "cuda":
+        return {}
+    return {
+        "peak_memory_gib": torch.cuda.max_memory_allocated(device) / 2**30,
+        "memory_allocated_gib": torch.cuda.memory_allocated(device) / 2**30,
+    }
 
 
 def _maybe_eval(run: Run, step: int, force: bool) -> dict:

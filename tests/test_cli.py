@@ -254,6 +254,19 @@ def test_resume_and_overwrite_together_are_refused(capsys):
     assert "not allowed with argument" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize(
+    ("argv", "named"),
+    [([], "{train,data,model,report,bench}"), (["bench"], "{prefix,schedule,decode}"), (["model"], "{init}")],
+)
+def test_a_missing_command_is_named_by_its_choices(argv, named, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(argv)
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert f"error: the following arguments are required: {named}" in err
+    assert "_command" not in err
+
+
 def test_bench_schedule_options_reach_the_config(monkeypatch):
     """``--no-compile-decode`` / ``--no-fused-projections`` switch the defaults off, absent flags keep
     them, and the other schedule options pass through."""

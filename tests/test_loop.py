@@ -15,7 +15,7 @@ from safetensors.torch import load_file
 from rollplex.config import load_config
 from rollplex.data.records import DatasetError
 from rollplex.data.synth import generate_dataset
-from rollplex.loop import build_run, train
+from rollplex.loop import build_run, step_memory, train
 from rollplex.models.compiled import compiled_scope, layers_compiled
 from rollplex.models.presets import init_checkpoint
 
@@ -152,6 +152,16 @@ def test_run_artefacts(assets, tmp_path):
     latest = run / "checkpoints" / (run / "checkpoints" / "latest").read_text().strip() / "hf"
     Qwen2_5_VLForConditionalGeneration.from_pretrained(latest)
     AutoProcessor.from_pretrained(latest)
+
+
+def test_step_memory_gives_the_peak_and_what_stays_allocated_in_gib(monkeypatch):
+    assert step_memory(torch.device("cpu")) == {}
+    asked = []
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda d: asked.append(d) or 7 * 2**29)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda d: asked.append(d) or 2**30 + 2**28)
+    device = torch.device("cuda", 1)
+    assert step_memory(device) == {"peak_memory_gib": 3.5, "memory_allocated_gib": 1.25}
+    assert asked == [device, device]
 
 
 def _write_records(path: Path, rows: list[dict]) -> None:

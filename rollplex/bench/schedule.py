@@ -10,7 +10,8 @@ mean that row, named in ``baseline``), the Phase-1 makespan, the paper's Eq. 1 t
 records them (schedule.eq1: T_D standalone decode, T_P prefix makespan, ΔD decode slowdown from
 co-running, S measured saving, bound min(T_D, T_P), T_post), the gradient norm (``grad_norm``: the
 median step's largest norm before clipping; inf where an update was skipped), decode seconds per step
-and its ratio to the memory roofline (bench.decode), peak memory, the caching allocator's retries (a
+and its ratio to the memory roofline (bench.decode), peak memory, the memory still allocated after each
+step (``allocated_gib_by_step``, warm-up steps included; growth is a leak), the caching allocator's retries (a
 cudaMalloc that failed, freed the cache and retried) and device frees over the row's iterations, the
 largest bf16 parameter difference from the baseline after the timed steps, the relative difference
 of the FP32 updates (``Updates``), and how many of the
@@ -178,12 +179,14 @@ def _timed_row(work: _Workload, name: str, cfg: ScheduleBenchConfig) -> tuple[di
     if work.device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(work.device)
         torch.cuda.reset_accumulated_memory_stats(work.device)
-    warmup, trail = _warmup(step, cfg), []
+    warmup, trail, held = _warmup(step, cfg), [], []
     for i in range(warmup + cfg.steps):
         start = timer.now()
         scored, stats, norms, extra = step(roles, work.prompts, timer)
         end = timer.now()
         trail.append(step_fingerprints(scored, stats, norms))  # after the step's clock: not timed
+        if work.device.type == "cuda":  # what outlives each step, warm-up included: growth is a leak
+            held.append(round(torch.cuda.memory_allocated(work.device) / 2**30, 3))
         spent = {**timer.pop(), **extra, "grad_norm": _largest(norms)}
         print(f"    {name} iteration {i}: {end - start:.3f} s", flush=True)
         if i >= warmup:
@@ -200,6 +203,7 @@ def _timed_row(work: _Workload, name: str, cfg: ScheduleBenchConfig) -> tuple[di
     }
     if work.device.type == "cuda":
         row["peak_memory_gib"] = torch.cuda.max_memory_allocated(work.device) / 2**30
+        row["allocated_gib_by_step"] = held
         churn = torch.cuda.memory_stats(work.device)  # allocator churn over the row's iterations
         row["alloc_retries"] = churn.get("num_alloc_retries", 0)
         row["device_allocs"] = churn.get("num_device_alloc", 0)
@@ -212,6 +216,8 @@ def _timed_row(work: _Workload, name: str, cfg: ScheduleBenchConfig) -> tuple[di
         row["auto_policy"] = step.policy.name
         row["auto_trials_span_s"] = {p.name: statistics.median(t) for p, t in step.timings.items()}
     print(f"  {name}: {row['step_s_median']:.3f} s/step (spread {row['step_s_spread']:.3f})", flush=True)
+    if held:
+        print(f"  {name}: GiB allocated after each step: {held}", flush=True)
     # the parameters go to host memory: a device copy per row would sit in every later row's peak memory
     weights = {k: v.detach().to("cpu", copy=True) for k, v in work.actor.state_dict().items()}
     snapshot = _Snapshot(weights, optimizer_fingerprints(roles.optimizer), trail)

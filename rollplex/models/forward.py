@@ -102,6 +102,8 @@ def enable_checkpointing(model, *, layer_recompute: bool = True) -> None:
         ValueError: ``layer_recompute`` on a model with dropout (``models.recompute.enable``).
     """
     options = {"use_reentrant": False}
+    if getattr(model, "_require_grads_hooks", None) or hasattr(model, "_require_grads_hook"):
+        model.disable_input_require_grads()  # enabling again would stack another embedding hook
     enable = getattr(model, "activation_checkpointing_enable", None)
     if enable is not None:
         enable(activation_checkpointing_kwargs=options)

@@ -5,7 +5,8 @@ in step order. Non-finite values are written as ``null`` (strict JSON). Keys the
 ``reward_mean``, ``reward/<fn>``, ``accuracy``, ``format_rate``, ``kl``, ``loss``, ``clip_fraction``,
 ``entropy``, ``response_length`` (tokens), ``grad_norm``, ``skipped_updates`` (updates dropped for a
 gradient norm that is not finite), ``skipped_samples``, ``zero_variance_groups``, ``reward_errors``,
-``time/<phase>`` and ``time/step`` (seconds), ``peak_memory_gib`` (GiB), ``val_accuracy`` and
+``time/<phase>`` and ``time/step`` (seconds), ``peak_memory_gib`` and ``memory_allocated_gib`` (GiB; the
+step's peak and what stays allocated after it, on CUDA), ``val_accuracy`` and
 ``val_skipped_samples`` (some steps), ``chance_accuracy``; with T-GRPO ``reward/temporal`` (the bonus),
 ``temporal/video_groups``, ``temporal/reward_errors``, ``temporal/ordered_accuracy``,
 ``temporal/shuffled_accuracy`` (the values of the compared reward, ``reward.temporal_reward``;

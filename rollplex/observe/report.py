@@ -40,6 +40,7 @@ DIAGNOSTICS = (
     ("zero_variance_groups", "zero-variance groups"),
     ("skipped_samples", "skipped samples"),
     ("peak_memory_gib", "peak memory (GiB)"),
+    ("memory_allocated_gib", "allocated after the step (GiB)"),
     ("lr", "learning rate"),
     ("logprob_diff_max", "max |rollout - trainer log-prob|"),
 )

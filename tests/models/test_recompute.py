@@ -172,3 +172,19 @@ def test_dropout_is_refused(models):  # noqa: F811
     m.model.visual.blocks[0].mlp.extra = torch.nn.Dropout1d(0.3)
     with pytest.raises(ValueError, match="blocks.0.mlp.extra has dropout"):
         enable_checkpointing(m)
+
+
+def test_enabling_again_stacks_no_hook(models):  # noqa: F811
+    """Each call re-enables transformers' checkpointing (the bench switches the layer function per row);
+    the model's forward hooks stay those of the first call, however many calls follow."""
+
+    def hooks(model) -> list:
+        return [h for module in model.modules() for h in module._forward_hooks.values()]
+
+    m = copy.deepcopy(models[0]).requires_grad_(False)  # frozen embeddings: transformers hooks their output
+    enable_checkpointing(m)
+    first = hooks(m)
+    assert first
+    for layer_recompute in (False, True, True):
+        enable_checkpointing(m, layer_recompute=layer_recompute)
+    assert len(hooks(m)) == len(first)
