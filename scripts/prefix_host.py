@@ -1,6 +1,8 @@
 """Host and device time of the actor's attached prefix pass (vision encode and prompt prefill of one
 group, with autograd) against the detached pass, per activation-checkpointing setting, on the ``rollplex
-bench schedule`` workload (3B architecture, 3,920-token video prompts, bf16, compiled layers).
+bench schedule`` workload (3B architecture, 3,920-token video prompts, bf16, compiled layers). With
+``--pass train``, each attached group pass is the actor's whole micro-batch: the prefix, the suffix of
+its 8 responses of 512 tokens (random text tokens) and the backward of their mean log-prob.
 
 The attached prefix runs before decode under prefill fusion and at the start of each of serial's actor
 micro-batches; under torch's checkpoint the device waited for the host there (``scripts/host_lag.py``). For each setting, after
@@ -17,13 +19,16 @@ memory the pass left allocated once its outputs are dropped (more than zero is a
 - ``checkpoint-torch``: attached, under torch's non-reentrant checkpoint in every layer (training's
   checkpointing before layer recompute; torch's defaults save and restore the RNG state around each
   layer and record each saved tensor's shape and dtype);
+- ``checkpoint-suffix-torch``: as ``checkpoint``, but the suffix layers under torch's non-reentrant
+  checkpoint (as before layer recompute took them: ``models.recompute._suffix_recomputable`` patched to
+  refuse every call while this setting runs);
 - ``no-checkpoint``: attached, every activation kept.
 
 Then one attached pass (checkpointed as training runs it) and one detached pass of one group under
 cProfile: OUT.attached.cprofile.txt and OUT.detached.cprofile.txt, functions by own time, then by
 cumulative time.
 
-Usage (CUDA): python scripts/prefix_host.py [SETTING ...] [--repeats 3] [--out prefix_host.json]
+Usage (CUDA): python scripts/prefix_host.py [SETTING ...] [--repeats 3] [--pass prefix|train] [--out prefix_host.json]
 """
 
 from __future__ import annotations
@@ -37,19 +42,26 @@ import torch
 
 from rollplex.bench.common import cprofile_report, cuda_script_args, int_between, one_of
 from rollplex.bench.schedule import default_row
-from rollplex.models.forward import enable_checkpointing, prefix_states
+from rollplex.models import recompute
+from rollplex.models.forward import enable_checkpointing, prefix_states, suffix_logprobs
 
 # each setting's models.forward.enable_checkpointing arguments; None: checkpointing off
 SETTINGS = {
     "detached": {},  # the actor as training sets it up, run under torch.no_grad()
     "checkpoint": {},
+    "checkpoint-suffix-torch": {},  # and the suffix layers refused by layer recompute
     "checkpoint-torch": {"layer_recompute": False},
     "no-checkpoint": None,
 }
+SUFFIX_RECOMPUTABLE = recompute._suffix_recomputable
+RESPONSES, RESPONSE_TOKENS = 8, 512
 
 
-def _set_checkpointing(model, arguments: dict | None) -> None:
-    """Checkpointing enabled with ``arguments``, or off (None)."""
+def _set_checkpointing(model, name: str) -> None:
+    """Checkpointing enabled as setting ``name`` says, or off."""
+    arguments = SETTINGS[name]
+    suffix_torch = name == "checkpoint-suffix-torch"
+    recompute._suffix_recomputable = (lambda *_: False) if suffix_torch else SUFFIX_RECOMPUTABLE
     if arguments is not None:
         enable_checkpointing(model, **arguments)
         return
@@ -60,33 +72,44 @@ def _set_checkpointing(model, arguments: dict | None) -> None:
     model.train(True)
 
 
-def _group_pass(model, prompt, banned, attached: bool) -> tuple[float, float, float]:
+def _group_pass(model, prompt, banned, attached: bool, train: bool = False) -> tuple[float, float, float]:
     """(host seconds to issue, seconds until the device is done, GiB the pass left allocated once its
-    outputs are dropped) of one group's prefix pass."""
+    outputs and gradients are dropped) of one group's prefix pass; with ``train`` (attached only), the
+    suffix of ``RESPONSES`` random responses and the backward too."""
+    model.zero_grad(set_to_none=True)
     torch.cuda.synchronize()
     before = torch.cuda.memory_allocated()
     start = time.perf_counter()
     states = prefix_states(model, [prompt], temperature=1.0, banned_ids=banned, attached=attached)
+    if train and attached:
+        responses = torch.randint(1000, 2000, (RESPONSES, RESPONSE_TOKENS), device=banned.device)
+        logprobs, _ = suffix_logprobs(
+            model, states[0], responses, group_size=RESPONSES, temperature=1.0, banned_ids=banned
+        )
+        logprobs.float().mean().backward()
+        del logprobs
     issued = time.perf_counter() - start
     torch.cuda.synchronize()
     done = time.perf_counter() - start
     del states
+    model.zero_grad(set_to_none=True)
     return issued, done, (torch.cuda.memory_allocated() - before) / 2**30
 
 
-def _timings(model, prompts, banned, names: list[str], repeats: int) -> list[dict]:
+def _timings(model, prompts, banned, names: list[str], repeats: int, train: bool) -> list[dict]:
     """Each setting's row: one discarded group pass per setting (compiles where it is new), then
     ``repeats`` rounds, each running every setting over every group in turn, in an order shuffled
     anew each round (seeded), so that no setting always follows the same one."""
     for name in names:
-        _set_checkpointing(model, SETTINGS[name])
-        _group_pass(model, prompts[0], banned, name != "detached")
+        _set_checkpointing(model, name)
+        _group_pass(model, prompts[0], banned, name != "detached", train)
     passes = {n: [] for n in names}
     order = random.Random(0)
     for _ in range(repeats):
         for name in order.sample(names, len(names)):
-            _set_checkpointing(model, SETTINGS[name])
-            passes[name] += [_group_pass(model, p, banned, name != "detached") for p in prompts]
+            _set_checkpointing(model, name)
+            passes[name] += [_group_pass(model, p, banned, name != "detached", train) for p in prompts]
+    _set_checkpointing(model, "checkpoint")
     rows = [_row(name, passes[name]) for name in names]
     for row in rows:
         print(json.dumps(row), flush=True)
@@ -110,18 +133,19 @@ def main() -> None:
     args = cuda_script_args(__doc__, _arguments)
     work, roles, _ = default_row("serial", torch.device("cuda"))
     model, prompts, banned = roles.actor, work.prompts, roles.banned_ids.cuda()
-    rows = _timings(model, prompts, banned, list(dict.fromkeys(args.settings)), args.repeats)
-    enable_checkpointing(model)
+    train = args.pass_ == "train"
+    rows = _timings(model, prompts, banned, list(dict.fromkeys(args.settings)), args.repeats, train)
     for attached in (True, False):
         text = cprofile_report(
-            lambda a=attached: _group_pass(model, prompts[0], banned, a),
+            lambda a=attached: _group_pass(model, prompts[0], banned, a, train),
             f"{args.out}.{'attached' if attached else 'detached'}.cprofile.txt",
             45,
             40,
         )
         print(("attached" if attached else "detached"), text[:6000], flush=True)
     with open(args.out, "w") as f:
-        json.dump({"rows": rows, "peak_gib": torch.cuda.max_memory_allocated() / 2**30}, f, indent=1)
+        peak = torch.cuda.max_memory_allocated() / 2**30
+        json.dump({"pass": args.pass_, "rows": rows, "peak_gib": peak}, f, indent=1)
 
 
 def _arguments(parser) -> None:
@@ -137,6 +161,13 @@ def _arguments(parser) -> None:
         type=int_between(1, 100),
         default=3,
         help="rounds over the 8 groups per setting (default 3)",
+    )
+    parser.add_argument(
+        "--pass",
+        dest="pass_",
+        choices=("prefix", "train"),
+        default="prefix",
+        help="each attached pass: the prefix alone, or the actor's micro-batch with its backward (default prefix)",
     )
     parser.add_argument(
         "--out",
