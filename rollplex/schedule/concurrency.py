@@ -274,6 +274,9 @@ class SideWork:
                     value = self.fn()
                 finally:
                     stream_sync(self.device)  # also after an error: nothing of fn stays queued
+                    # fn usually closes over this object (its chunk barrier): a reference cycle that would
+                    # keep fn's inputs, and the result, allocated until Python's collector finds it
+                    self.fn = None
                 self._result = SideResult(value, start, time.perf_counter())
         except BaseException as err:  # handed to the main thread by join()
             self._error = err
@@ -283,6 +286,7 @@ class SideWork:
         self.decode_done()
         if self.started:
             self._thread.join()
+        self._result = self._error = None  # the main thread's error is the one raised
 
     def join(self, consumers: Callable[[SideResult], list[torch.Tensor]] = lambda r: []) -> SideResult:
         """Wait for the worker; make the current stream wait for its stream and mark the tensors that
@@ -294,13 +298,15 @@ class SideWork:
         """
         self.decode_done()
         self._thread.join()
-        if self._error is not None:
-            raise self._error
-        assert self._result is not None
+        # handed over, not kept: the caller owns the result (or the error and its frames) from here
+        result, error, self._result, self._error = self._result, self._error, None, None
+        if error is not None:
+            raise error
+        assert result is not None
         if self._streams:
             current = torch.cuda.current_stream(self.device)
             for stream in self._streams:
                 current.wait_stream(stream)
-            for tensor in consumers(self._result):
+            for tensor in consumers(result):
                 tensor.record_stream(current)
-        return self._result
+        return result
