@@ -19,9 +19,6 @@ memory the pass left allocated once its outputs are dropped (more than zero is a
 - ``checkpoint-torch``: attached, under torch's non-reentrant checkpoint in every layer (training's
   checkpointing before layer recompute; torch's defaults save and restore the RNG state around each
   layer and record each saved tensor's shape and dtype);
-- ``checkpoint-suffix-torch``: as ``checkpoint``, but the suffix layers under torch's non-reentrant
-  checkpoint (as before layer recompute took them: ``models.recompute._suffix_recomputable`` patched to
-  refuse every call while this setting runs);
 - ``no-checkpoint``: attached, every activation kept.
 
 Then one attached pass (checkpointed as training runs it) and one detached pass of one group under
@@ -42,26 +39,21 @@ import torch
 
 from rollplex.bench.common import cprofile_report, cuda_script_args, int_between, one_of
 from rollplex.bench.schedule import default_row
-from rollplex.models import recompute
 from rollplex.models.forward import enable_checkpointing, prefix_states, suffix_logprobs
 
 # each setting's models.forward.enable_checkpointing arguments; None: checkpointing off
 SETTINGS = {
     "detached": {},  # the actor as training sets it up, run under torch.no_grad()
     "checkpoint": {},
-    "checkpoint-suffix-torch": {},  # and the suffix layers refused by layer recompute
     "checkpoint-torch": {"layer_recompute": False},
     "no-checkpoint": None,
 }
-SUFFIX_RECOMPUTABLE = recompute._suffix_recomputable
 RESPONSES, RESPONSE_TOKENS = 8, 512
 
 
 def _set_checkpointing(model, name: str) -> None:
     """Checkpointing enabled as setting ``name`` says, or off."""
     arguments = SETTINGS[name]
-    suffix_torch = name == "checkpoint-suffix-torch"
-    recompute._suffix_recomputable = (lambda *_: False) if suffix_torch else SUFFIX_RECOMPUTABLE
     if arguments is not None:
         enable_checkpointing(model, **arguments)
         return

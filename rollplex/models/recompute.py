@@ -18,13 +18,10 @@ backward, and the Function's outputs are what the caller's plan records.
 
 Which layer calls recompute this way (``recomputable``): those with a positional tensor that needs a
 gradient and no other tensor that needs one outside the positional arguments — the hidden states of a
-prefix pass or a vision block — and the suffix layers. A suffix layer reads the attached boundary keys
-and values through its ``SuffixPlan``, a keyword argument; its own layer's key and value become inputs of
-the Function, so their gradients leave it as the hidden states' do, and the layer runs against a view of
-the plan that holds no other layer's boundary. Calls that cannot be taken apart so keep torch's
-non-reentrant checkpoint, which tracks captured tensors: a suffix layer without an index into the plan,
-calls whose input needs no gradient (a frozen vision tower's blocks with a trainable merger), and calls
-under autocast, whose state the recomputation would not restore.
+prefix pass or a vision block. A suffix layer reads the attached boundary keys and values through its
+``SuffixPlan``, a keyword argument; it keeps torch's non-reentrant checkpoint, which tracks such captured
+tensors. So do calls whose input needs no gradient (a frozen vision tower's blocks with a trainable
+merger) and calls under autocast, whose state the recomputation would not restore.
 
 Like torch's reentrant checkpoint, gradients reach the layer's parameters by a backward inside backward,
 so the outer call must be ``Tensor.backward`` / ``torch.autograd.backward`` without ``inputs`` and
@@ -40,7 +37,7 @@ from collections.abc import Callable
 
 import torch
 
-from rollplex.models.attention import PLAN_KEYWORD, PrefixPlan, SuffixPlan
+from rollplex.models.attention import PLAN_KEYWORD, PrefixPlan
 
 
 def enable(model, fallback: Callable) -> None:
@@ -100,20 +97,13 @@ def checkpoint(function: functools.partial, *args, fallback: Callable):
     if _autocast() or not recomputable(function, args):
         return fallback(function, *args)
     keywords = dict(function.keywords)
-    plan = keywords.get(PLAN_KEYWORD)
-    inputs, prefix, suffix = args, None, None
-    if isinstance(plan, PrefixPlan):
-        prefix = keywords.pop(PLAN_KEYWORD)
-    elif _attached(plan):
-        index = _layer_index(function)
-        suffix = (keywords.pop(PLAN_KEYWORD), index)
-        inputs = (*args, plan.prefix_keys[index], plan.prefix_values[index])
-    layer = _Layer(function.func, function.args, keywords, prefill=prefix is not None, suffix=suffix)
+    plan = keywords.pop(PLAN_KEYWORD) if isinstance(keywords.get(PLAN_KEYWORD), PrefixPlan) else None
+    layer = _Layer(function.func, function.args, keywords, prefill=plan is not None)
     recorded: list[int] = []
-    out, *boundary = _LayerRecompute.apply(layer, recorded, *inputs)
-    if prefix is not None and prefix.recording:
+    out, *boundary = _LayerRecompute.apply(layer, recorded, *args)
+    if plan is not None and plan.recording:
         for i, index in enumerate(recorded):
-            prefix.keys[index], prefix.values[index] = boundary[2 * i], boundary[2 * i + 1]
+            plan.keys[index], plan.values[index] = boundary[2 * i], boundary[2 * i + 1]
     return out
 
 
@@ -125,60 +115,17 @@ def _autocast() -> bool:
 def recomputable(function, args: tuple) -> bool:
     """Whether a checkpointed call can use layer recompute: ``function`` is a ``functools.partial``,
     every positional argument is a tensor and one of them needs a gradient, and no keyword argument
-    holds a tensor that needs one, but for the plan: a ``PrefixPlan`` is replaced by the layer's own, so
-    it is not looked into, and a ``SuffixPlan`` whose boundary needs a gradient is taken where the layer
-    has an index (``_layer_index``) and the plan nothing else that needs one: its keys and values of that
-    index become inputs of the Function."""
+    holds a tensor that needs one (a ``PrefixPlan`` is replaced by the layer's own, so it is not
+    looked into)."""
     if not isinstance(function, functools.partial) or not args:
         return False
     if not all(isinstance(a, torch.Tensor) for a in args) or not any(a.requires_grad for a in args):
         return False
-    plan = function.keywords.get(PLAN_KEYWORD)
-    if _attached(plan):
-        if not _suffix_recomputable(function, plan):
-            return False
-        plan = None  # its boundary becomes the Function's input; the rest was checked
-    elif isinstance(plan, PrefixPlan):
-        plan = None
-    return not _needs_grad([plan, *(v for k, v in function.keywords.items() if k != PLAN_KEYWORD)])
-
-
-def _attached(plan) -> bool:
-    """Whether ``plan`` is a ``SuffixPlan`` whose boundary keys or values need a gradient."""
-    return isinstance(plan, SuffixPlan) and _needs_grad([plan.prefix_keys, plan.prefix_values])
-
-
-def _suffix_recomputable(function: functools.partial, plan: SuffixPlan) -> bool:
-    """Whether the layer of ``function`` has an index into ``plan``'s boundary, and the plan needs no
-    gradient but through its keys and values."""
-    index = _layer_index(function)
-    if (
-        index is None
-        or not 0 <= index < len(plan.prefix_keys)
-        or len(plan.prefix_values) != len(plan.prefix_keys)
-    ):
-        return False
-    rest = [
-        getattr(plan, f.name)
-        for f in dataclasses.fields(plan)
-        if f.name not in ("prefix_keys", "prefix_values")
-    ]
-    return not _needs_grad(rest)
-
-
-def _layer_index(function: functools.partial) -> int | None:
-    """The decoder layer index of a checkpointed call (its attention module's ``layer_idx``), or None.
-    transformers binds the layer as the method's owner (``partial(super().__call__, ...)``) or as the
-    first argument (``partial(forward, self, ...)``, later releases)."""
-    owner = getattr(function.func, "__self__", None)
-    if (
-        not isinstance(owner, torch.nn.Module)
-        and function.args
-        and isinstance(function.args[0], torch.nn.Module)
-    ):
-        owner = function.args[0]
-    index = getattr(getattr(owner, "self_attn", None), "layer_idx", None)
-    return index if isinstance(index, int) else None
+    return not any(
+        _needs_grad(v)
+        for k, v in function.keywords.items()
+        if not (k == PLAN_KEYWORD and isinstance(v, PrefixPlan))
+    )
 
 
 def _needs_grad(value) -> bool:
@@ -203,32 +150,18 @@ class _Layer:
 
     func: Callable
     args: tuple
-    keywords: dict  # without a prefix plan, or an attached suffix plan
+    keywords: dict  # without a prefix plan
     prefill: bool  # the call had a prefix plan, for which ``run`` binds its own
-    suffix: tuple[SuffixPlan, int] | None = None  # an attached suffix plan and the layer's index into it
 
     def run(self, inputs) -> tuple[torch.Tensor, dict[int, torch.Tensor], dict[int, torch.Tensor]]:
         """(output, boundary keys by layer index, boundary values by layer index) of the layer on
-        ``inputs`` (with an attached suffix plan, the last two are the boundary key and value of the
-        layer's index); the dicts are empty for a layer without a prefix plan."""
+        ``inputs``; the dicts are empty for a layer without a prefix plan."""
         plan = PrefixPlan()
         keywords = {**self.keywords, PLAN_KEYWORD: plan} if self.prefill else self.keywords
-        if self.suffix is not None:
-            *inputs, key, value = inputs
-            keywords = {**self.keywords, PLAN_KEYWORD: _suffix_view(*self.suffix, key, value)}
         out = self.func(*self.args, *inputs, **keywords)
         if not isinstance(out, torch.Tensor):
             raise TypeError(f"layer recompute expects a layer to return a tensor, got {type(out).__name__}")
         return out, plan.keys, plan.values
-
-
-def _suffix_view(plan: SuffixPlan, index: int, key: torch.Tensor, value: torch.Tensor) -> SuffixPlan:
-    """``plan`` with ``key`` and ``value`` [G, Hkv, P_max, D] as the boundary of layer ``index`` and none
-    for the others, so a layer that read another layer's boundary would fail instead of leaving its
-    gradient out."""
-    keys, values = [None] * len(plan.prefix_keys), [None] * len(plan.prefix_values)
-    keys[index], values[index] = key, value
-    return dataclasses.replace(plan, prefix_keys=keys, prefix_values=values)
 
 
 def _outputs(out: torch.Tensor, keys: dict, values: dict) -> tuple[torch.Tensor, ...]:

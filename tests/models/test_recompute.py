@@ -16,7 +16,7 @@ import torch
 
 from rollplex.models import recompute
 from rollplex.models.attention import PLAN_KEYWORD, PrefixPlan, SuffixPlan
-from rollplex.models.forward import enable_checkpointing, prefix_states, suffix_logprobs
+from rollplex.models.forward import enable_checkpointing, prefix_states
 from tests.numerics.conftest import BANNED, make_prompt, models  # noqa: F401  (fixture)
 
 PROMPT = make_prompt([3, 2], [("video", (4, 4, 4), 0.5)], seed=2)
@@ -188,63 +188,3 @@ def test_enabling_again_stacks_no_hook(models):  # noqa: F811
     for layer_recompute in (False, True, True):
         enable_checkpointing(m, layer_recompute=layer_recompute)
     assert len(hooks(m)) == len(first)
-
-
-@pytest.mark.parametrize("checkpointing", ["recompute", "torch"])
-def test_suffix_layers_recompute_with_their_boundary_as_inputs(models, checkpointing):  # noqa: F811
-    """Under layer recompute a suffix pass against an attached prefix holds one node per decoder layer
-    too, and the gradient reaches the prefix through the boundary keys and values that node takes as
-    inputs: the prefix's own nodes are reachable from the suffix's. Its log-probs are bitwise those of
-    the pass without checkpointing (gradients: tests/numerics, test_gradient_checkpointing_changes_no_gradient)."""
-    _, plain = _attached_pass(models[0], "off")
-    m, state = _attached_pass(models[0], checkpointing)
-    responses = torch.tensor([[5, 6, 7], [8, 9, 10]])
-    score = functools.partial(suffix_logprobs, group_size=2, temperature=0.7, banned_ids=BANNED)
-    got, _ = score(m, state, responses)
-    nodes = _graph([got])
-    layers = len(m.model.language_model.layers)
-    recomputed = [n for n in nodes if n.name() == "_LayerRecomputeBackward"]
-    prefix_nodes = layers + len(m.model.visual.blocks)
-    assert len(recomputed) == (prefix_nodes + layers if checkpointing == "recompute" else 0)
-    with torch.no_grad():
-        expected, _ = score(models[0], plain, responses)
-    assert torch.equal(got.detach(), expected)
-
-
-def test_a_suffix_call_becomes_recomputable_with_its_layer_index():
-    """An attached suffix plan is taken where the layer has an index into it, however transformers binds
-    the layer (method owner, or first argument); the layer runs against a view that holds only its own
-    boundary, so reading another layer's fails instead of losing that gradient."""
-
-    class Attention(torch.nn.Module):
-        layer_idx = 1
-
-    class Layer(torch.nn.Module):
-        def __init__(self, read: int):
-            super().__init__()
-            self.self_attn, self.read = Attention(), read
-
-        def forward(self, h, **keywords):
-            plan = keywords[PLAN_KEYWORD]
-            return h * plan.prefix_keys[self.read] + plan.prefix_values[self.read]
-
-    x = torch.ones(2, requires_grad=True)
-    keys = [torch.full((2,), float(i + 2), requires_grad=True) for i in range(3)]
-    values = [torch.full((2,), float(i), requires_grad=True) for i in range(3)]
-    plan = SuffixPlan(keys, values, torch.zeros(1), 1)
-    owner = functools.partial(Layer(read=1).__call__, **{PLAN_KEYWORD: plan})
-    first = functools.partial(Layer.forward, Layer(read=1), **{PLAN_KEYWORD: plan})
-    for function in (owner, first):
-        assert recompute.recomputable(function, (x,))
-        out = recompute.checkpoint(function, x, fallback=None)
-        assert out.grad_fn.name() == "_LayerRecomputeBackward"
-        out.sum().backward()
-    assert torch.equal(x.grad, torch.full((2,), 6.0)) and torch.equal(keys[1].grad, torch.full((2,), 2.0))
-    assert torch.equal(values[1].grad, torch.full((2,), 2.0))
-    assert keys[0].grad is None and values[2].grad is None
-    with pytest.raises(TypeError):
-        recompute.checkpoint(
-            functools.partial(Layer(read=2).__call__, **{PLAN_KEYWORD: plan}), x, fallback=None
-        )
-    plan.prefix_lens = torch.zeros(1, requires_grad=True)  # something else needs a gradient
-    assert not recompute.recomputable(owner, (x,))
