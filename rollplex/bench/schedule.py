@@ -53,13 +53,14 @@ from rollplex.optim import MasterWeightAdamW
 from rollplex.phases import Roles
 from rollplex.rollout.engine import SamplingParams
 from rollplex.schedule import make_step
+from rollplex.schedule.rollplex import CALIBRATION_STEPS, RollplexSchedule
 
 
 @dataclass(frozen=True)
 class ScheduleBenchConfig(Workload):
     """Workload of ``rollplex bench schedule`` (defaults: the 3B workload of docs/benchmarks.md)."""
 
-    warmup: int = 1
+    warmup: int = 2  # the rollplex schedule's calibration steps (schedule.rollplex.CALIBRATION_STEPS)
     steps: int = 2
     rows: tuple[str, ...] = MAIN_ROWS
     gradient_checkpointing: bool = True
@@ -160,8 +161,16 @@ def default_row(name: str, device: torch.device) -> tuple[_Workload, Roles, Call
 
 
 def _warmup(step, cfg: ScheduleBenchConfig) -> int:
-    """Discarded iterations: ``cfg.warmup``, and for ``auto`` also one per policy it tries."""
+    """Discarded iterations: ``cfg.warmup``, and for ``auto`` also one per policy it tries. Where fewer
+    than the rollplex schedule's calibration steps are discarded, a line says that timed steps ran
+    their prefixes after decode."""
     trials = len(getattr(step, "trials", []))
+    if isinstance(step, RollplexSchedule) and cfg.warmup < CALIBRATION_STEPS:
+        print(
+            f"    the first {CALIBRATION_STEPS - cfg.warmup} timed step(s) calibrate (prefixes after decode): "
+            f"--warmup {CALIBRATION_STEPS} leaves them out",
+            flush=True,
+        )
     return cfg.warmup + trials
 
 

@@ -17,6 +17,7 @@ from rollplex.bench.schedule import (
 )
 from rollplex.models import recompute
 from rollplex.models.compiled import compiled_scope
+from rollplex.schedule.rollplex import CALIBRATION_STEPS
 
 
 def _tiny(**changes) -> ScheduleBenchConfig:
@@ -52,7 +53,10 @@ def test_rows_reach_the_same_parameters(tmp_path):
     assert result.rows["both"]["baseline"] == "serial"
     assert result.rows["both-torch-checkpoint"]["baseline"] == "serial-torch-checkpoint"
     assert result.rows["auto"]["auto_policy"]
-    assert result.rows["auto"]["steps_taken"] == 1 + len(result.rows["auto"]["auto_trials_span_s"])
+    # with no warm-up, the calibration steps and the trials that fit before the timed step
+    assert result.rows["auto"]["steps_taken"] == CALIBRATION_STEPS + len(
+        result.rows["auto"]["auto_trials_span_s"]
+    )
     assert (tmp_path / "schedule.json").exists()
 
 

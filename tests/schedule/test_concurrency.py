@@ -76,10 +76,10 @@ def test_the_schedule_hands_the_sm_limit_to_its_worker(assets, tmp_path, monkeyp
             super().chunk_barrier()
 
     monkeypatch.setattr(rollplex_schedule, "SideWork", Recording)
-    run = train(_config(assets, tmp_path / "run", 2, **{"run.device": "cpu", **SCHEDULES["green"]}))
-    assert asked == [16]  # the first step is the calibration, which runs its prefixes after decode
+    run = train(_config(assets, tmp_path / "run", 3, **{"run.device": "cpu", **SCHEDULES["green"]}))
+    assert asked == [16]  # the first two steps calibrate, running their prefixes after decode
     assert barriers == [1, 1]  # one barrier per chunk of one group: the worker can leave the green stream
-    assert [m["schedule/prefix_sms"] for m in step_rows(run)] == [0.0, 0.0]
+    assert [m["schedule/prefix_sms"] for m in step_rows(run)] == [0.0, 0.0, 0.0]
 
 
 needs_green = pytest.mark.skipif(

@@ -10,7 +10,7 @@ import torch
 
 from rollplex.loop import train
 from rollplex.schedule.eq1 import KEYS, Standalone, alone_seconds_per_step, phase1_terms
-from rollplex.schedule.rollplex import CoRunPolicy, RollplexSchedule, auto_candidates
+from rollplex.schedule.rollplex import CALIBRATION_STEPS, CoRunPolicy, RollplexSchedule, auto_candidates
 from rollplex.types import DecodeTimeline
 from tests.test_loop import _config, _metrics, _weights, assets  # noqa: F401  (fixture)
 
@@ -75,15 +75,16 @@ def test_auto_tries_each_policy_twice_then_keeps_the_fastest_median(assets, tmp_
     spans[candidates[1]] = [0.1, 9.0]  # ... a single lucky trial does not win: median 4.55
     spans[candidates[0]] = [0.2, 0.3]  # ... two fast trials do
     seen = []
-    for _ in range(1 + 2 * len(candidates) + 2):
+    calibration = CALIBRATION_STEPS
+    for _ in range(calibration + 2 * len(candidates) + 2):
         policy = schedule._next_policy()
         seen.append(policy)
-        if schedule.step_index >= 1:
+        if schedule.step_index >= calibration:
             schedule._learn(policy, spans[policy].pop(0) if spans[policy] else 0.0)
         schedule.step_index += 1
-    assert seen[0] == replace(candidates[0], overlap=False)  # calibration
-    assert seen[1 : 1 + 2 * len(candidates)] == candidates * 2  # round robin
-    assert seen[1 + 2 * len(candidates) :] == [candidates[0]] * 2
+    assert calibration == 2 and seen[:calibration] == [replace(candidates[0], overlap=False)] * 2
+    assert seen[calibration : calibration + 2 * len(candidates)] == candidates * 2  # round robin
+    assert seen[calibration + 2 * len(candidates) :] == [candidates[0]] * 2
 
 
 def test_a_resumed_rollplex_run_takes_its_policy_from_its_config_and_auto_its_choice(assets, tmp_path):  # noqa: F811
@@ -128,29 +129,31 @@ def test_auto_trials_sets_the_trials_per_policy(assets, tmp_path):  # noqa: F811
 
 def test_metrics_hold_eq1_terms(assets, tmp_path):  # noqa: F811
     """Every rollplex step writes the Eq. 1 terms to metrics.jsonl; T_D is known on overlapped steps
-    too (from the calibration step when no decode step ran alone)."""
-    run_dir = train(_config(assets, tmp_path, 2, **{"run.schedule": "rollplex", "eval.every": 0}))
+    too (from the calibration steps when no decode step ran alone)."""
+    run_dir = train(_config(assets, tmp_path, 3, **{"run.schedule": "rollplex", "eval.every": 0}))
     rows = [r for r in _metrics(run_dir) if "loss" in r]
     for row in rows:
         assert set(KEYS) <= set(row)
         assert row["eq1/T_P"] > 0 and row["eq1/T_post"] > 0 and row["eq1/T_D"] > 0
-    # the first step calibrates (prefixes after decode, T_D measured alone), then the prefixes overlap
-    assert [row["schedule/overlap"] for row in rows] == [0, 1]
+    # the first two steps calibrate (prefixes after decode, measured alone), then the prefixes overlap
+    # with the second's standalone side work as T_P (the first's held the compilation on a GPU)
+    assert [row["schedule/overlap"] for row in rows] == [0, 0, 1]
+    assert rows[2]["eq1/T_P"] == rows[1]["eq1/T_P_corun"] != rows[0]["eq1/T_P_corun"]
 
 
 def test_resumed_auto_run_neither_recalibrates_nor_repeats_trials(assets, tmp_path):  # noqa: F811
-    """4 auto steps == 2 + resume + 2 in the policy each step ran (calibration, then the round-robin
+    """5 auto steps == 2 + resume + 3 in the policy each step ran (calibration, then the round-robin
     trials), and in weights: the schedule's state is in the checkpoint."""
     extra = {"run.schedule": "auto", "eval.every": 0, "run.device": "cpu"}
-    straight = train(_config(assets, tmp_path / "straight", 4, **extra))
+    straight = train(_config(assets, tmp_path / "straight", 5, **extra))
     split = train(_config(assets, tmp_path / "split", 2, **extra))
-    train(_config(assets, split, 4, **extra), resume=True)
+    train(_config(assets, split, 5, **extra), resume=True)
     policy = lambda run: [  # noqa: E731
         {k: v for k, v in row.items() if k.startswith("schedule/")} for row in _metrics(run) if "loss" in row
     ]
     assert policy(straight) == policy(split)
-    assert [row["schedule/overlap"] for row in policy(straight)] == [0, 0, 1, 1]
-    assert [row["schedule/chunk_groups"] for row in policy(straight)] == [0, 0, 0, 1]
+    assert [row["schedule/overlap"] for row in policy(straight)] == [0, 0, 0, 1, 1]
+    assert [row["schedule/chunk_groups"] for row in policy(straight)] == [0, 0, 0, 0, 1]
     a, b = _weights(straight), _weights(split)
     assert all(torch.equal(a[k], b[k]) for k in a)
 
@@ -161,7 +164,7 @@ def test_resume_keeps_the_trial_plan_it_started_with(assets, tmp_path, resumed_t
     calibration and round robin as a straight run, then one kept policy (the choice itself depends on
     measured spans, so only its being one policy is compared)."""
     extra = {"run.schedule": "auto", "eval.every": 0, "run.device": "cpu", "run.auto_trials": 2}
-    plan = 1 + 2 * len(auto_candidates(torch.device("cpu")))  # calibration + trials
+    plan = CALIBRATION_STEPS + 2 * len(auto_candidates(torch.device("cpu")))  # calibration + trials
     straight = train(_config(assets, tmp_path / "straight", plan, **extra))
     split = train(_config(assets, tmp_path / "split", 5, **extra))
     train(_config(assets, split, plan + 2, **{**extra, "run.auto_trials": resumed_trials}), resume=True)

@@ -16,6 +16,7 @@ from rollplex.models import recompute
 from rollplex.models.compiled import layers_compiled
 from rollplex.observe.metrics import PhaseTimer
 from rollplex.schedule import make_step
+from rollplex.schedule.rollplex import CALIBRATION_STEPS
 from tests.test_loop import _config, _metrics, _weights, assets  # noqa: F401  (fixture)
 
 SCHEDULES = {
@@ -240,8 +241,10 @@ def test_overlap_gives_identical_parameters_on_gpu(assets, tmp_path):  # noqa: F
         other = _weights(runs[name])
         assert all(torch.equal(serial[k], other[k]) for k in serial), name
         assert_same_optimizer(runs["serial"], runs[name], name)  # the FP32 masters too
-    if green_capable():  # the calibration step runs its prefixes after decode; the others on 16 SMs
-        assert [m["schedule/prefix_sms"] for m in step_rows(runs["green"])] == [0.0, 16.0, 16.0]
+    if green_capable():  # the calibration steps run their prefixes after decode; the others on 16 SMs
+        assert [m["schedule/prefix_sms"] for m in step_rows(runs["green"])] == [0.0] * CALIBRATION_STEPS + [
+            16.0
+        ]
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
@@ -257,15 +260,16 @@ def test_barriers(assets, tmp_path, device):  # noqa: F811
         cfg = _config(
             assets, tmp_path / name, 2, **{"algo.kl_coef": 0.05, "run.device": device, **SCHEDULES[name]}
         )
-        _check_barriers(second_step_events(cfg), order)
+        _check_barriers(first_overlapped_step_events(cfg), order)
 
 
-def second_step_events(cfg) -> list[tuple[str, str, int]]:
-    """The recorded events (phase starts and ends, actor forwards, with θ's version) of the second step
-    of a run of ``cfg`` (the first is the rollplex schedule's calibration step)."""
+def first_overlapped_step_events(cfg) -> list[tuple[str, str, int]]:
+    """The recorded events (phase starts and ends, actor forwards, with θ's version) of the step after
+    the rollplex schedule's calibration steps (``CALIBRATION_STEPS``) in a run of ``cfg``."""
     run = build_run(cfg)
     step = make_step(cfg, run.device)
-    step(run.roles, run.train.next_batch(), PhaseTimer())
+    for _ in range(CALIBRATION_STEPS):
+        step(run.roles, run.train.next_batch(), PhaseTimer())
     recorder = _Recorder(run.roles.actor.model.language_model)
     step(run.roles, run.train.next_batch(), recorder)
     return recorder.events

@@ -21,7 +21,7 @@ from tests.schedule.test_same_update import (
     assert_moved,
     assert_same_optimizer,
     assert_same_update,
-    second_step_events,
+    first_overlapped_step_events,
     untimed,
 )
 from tests.test_loop import _config, _metrics, _weights, assets  # noqa: F401  (fixture)
@@ -180,7 +180,9 @@ def test_barriers_hold_with_the_shuffled_rollout(assets, tmp_path):  # noqa: F81
         ("serial", ["rollout", "temporal", "rewards", "reference", "actor", "optimizer"]),
         ("rollplex", ["temporal", "rewards", "reference", "actor", "optimizer"]),  # Phase 1 on two threads
     ):
-        events = second_step_events(_config(assets, tmp_path / name, 2, **TEMPORAL, **SCHEDULES[name]))
+        events = first_overlapped_step_events(
+            _config(assets, tmp_path / name, 2, **TEMPORAL, **SCHEDULES[name])
+        )
         _check_barriers(events, order)
         temporal_forwards = [e for e in events if e[0] == "forward" and e[1] == "temporal"]
         assert temporal_forwards, name  # the twins really ran through the actor
