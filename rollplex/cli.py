@@ -282,7 +282,7 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--warmup",
         type=_at_least(0),
-        help="discarded warm-up iterations per schedule (default 2: the rollplex schedule's calibration steps)",
+        help="discarded warm-up iterations per schedule (default 2: a new rollplex run's calibration steps)",
     )
     p.add_argument("--steps", type=_at_least(1), help="timed iterations per schedule (default 2)")
     p.add_argument(

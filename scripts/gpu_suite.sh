@@ -10,7 +10,7 @@
 # parts: GPU_TESTS="tests/numerics tests/schedule tests/rollout", then
 # GPU_TESTS="tests/models tests/bench/test_fingerprint.py".
 # SCHEDULE_ROWS picks the rows of the schedule benchmark (default: rollplex bench schedule's default rows),
-# SCHEDULE_ARGS adds options (e.g. "--warmup 1 --steps 1"), SCHEDULE_NAME names its output files.
+# SCHEDULE_ARGS adds options (e.g. "--warmup 2 --steps 1"), SCHEDULE_NAME names its output files.
 # Wheels missing from the GPU image (PyAV, rouge-score, nltk) are installed from .whl/ when present
 # (docs/benchmarks.md shows how to download them there).
 # Python: the python3 on PATH (activate the environment that has torch first).
@@ -72,10 +72,10 @@ for stage in $stages; do
       python3 scripts/step_profile.py "$OUT/step" > "$OUT/profile.log" 2>&1 || status=1
       cat "$OUT/step.gaps.txt" 2>/dev/null ;;
     same)
-      rollplex bench schedule --rows serial,serial-again,fusion,overlap,both --warmup 1 --steps 2 \
+      rollplex bench schedule --rows serial,serial-again,fusion,overlap,both --warmup 2 --steps 2 \
         --out "$OUT/same.json" 2>&1 | tee "$OUT/same.log" || status=1 ;;
     same-det)
-      rollplex bench schedule --deterministic --rows serial,serial-again,both --warmup 1 --steps 2 \
+      rollplex bench schedule --deterministic --rows serial,serial-again,both --warmup 2 --steps 2 \
         --out "$OUT/same-deterministic.json" 2>&1 | tee "$OUT/same-deterministic.log" || status=1 ;;
     schedule)
       name=${SCHEDULE_NAME:-bench-schedule}

@@ -3,8 +3,9 @@
 (``num_device_alloc``), Eq. 1's terms, and for each reference (detached) or actor (attached) prefix
 call of the rollplex schedule (``schedule.rollplex``'s ``prefix_states``; the rollout prefill of a
 row without fusion is not among them) the thread it ran on, when the host began and finished issuing
-it and when the device finished it, in seconds from the step's start. The first iteration of a row is
-its calibration step (prefixes after decode, on the main thread); the worker starts with decode.
+it and when the device finished it, in seconds from the step's start. The first
+``schedule.rollplex.CALIBRATION_STEPS`` iterations of a row calibrate (prefixes after decode, on the
+main thread); in the others the worker starts with decode.
 
 Usage (CUDA): python scripts/overlap_probe.py [ROW ...]
 """
@@ -21,6 +22,7 @@ from rollplex.bench.common import cuda_script_args, one_of
 from rollplex.bench.schedule import ROWS, ScheduleBenchConfig, _Workload
 from rollplex.observe.metrics import PhaseTimer
 from rollplex.schedule import make_step
+from rollplex.schedule.rollplex import CALIBRATION_STEPS
 
 ROLLPLEX_ROWS = tuple(name for name in ROWS if name != "serial")  # rows with prefix calls to time
 TERMS = ("eq1/T_D", "eq1/T_P", "eq1/T_P_corun", "eq1/delta_D", "eq1/span", "eq1/phase1")
@@ -41,7 +43,9 @@ def traced(calls: list, prefix_states):
     return wrapper
 
 
-def probe_row(work: _Workload, cfg: ScheduleBenchConfig, name: str, calls: list, iterations: int = 3) -> None:
+def probe_row(
+    work: _Workload, cfg: ScheduleBenchConfig, name: str, calls: list, iterations: int = CALIBRATION_STEPS + 2
+) -> None:
     """Run ``iterations`` steps of bench row ``name`` and print each step's line and its prefix calls."""
     roles = work.roles(ROWS[name], cfg)
     step = make_step(roles.config, work.device)

@@ -3,8 +3,8 @@
 Rows: ``bench.variants.ROWS_HELP`` (each from the same initial weights and optimizer state, same prompts
 and seeds; ``rollplex bench schedule --help`` prints it).
 
-Warm-up iterations (allocator growth, graph capture, compilation, and auto's policy trials) are
-discarded; the table gives the median step time and its spread, the speedup over the row's baseline
+Warm-up iterations (allocator growth, graph capture, compilation, the rollplex schedule's calibration
+steps, and auto's policy trials) are discarded; the table gives the median step time and its spread, the speedup over the row's baseline
 (``BASELINES``: serial, or serial-whole-batch for the whole-batch rows; the JSON's ``*_vs_serial`` keys
 mean that row, named in ``baseline``), the Phase-1 makespan, the paper's Eq. 1 terms as every step
 records them (schedule.eq1: T_D standalone decode, T_P prefix makespan, ΔD decode slowdown from
@@ -60,7 +60,7 @@ from rollplex.schedule.rollplex import CALIBRATION_STEPS, RollplexSchedule
 class ScheduleBenchConfig(Workload):
     """Workload of ``rollplex bench schedule`` (defaults: the 3B workload of docs/benchmarks.md)."""
 
-    warmup: int = 2  # the rollplex schedule's calibration steps (schedule.rollplex.CALIBRATION_STEPS)
+    warmup: int = CALIBRATION_STEPS  # a new rollplex run's calibration steps
     steps: int = 2
     rows: tuple[str, ...] = MAIN_ROWS
     gradient_checkpointing: bool = True
@@ -162,13 +162,14 @@ def default_row(name: str, device: torch.device) -> tuple[_Workload, Roles, Call
 
 def _warmup(step, cfg: ScheduleBenchConfig) -> int:
     """Discarded iterations: ``cfg.warmup``, and for ``auto`` also one per policy it tries. Where fewer
-    than the rollplex schedule's calibration steps are discarded, a line says that timed steps ran
-    their prefixes after decode."""
+    than the rollplex schedule's calibration steps are discarded, a line says what the first timed steps
+    are instead of the row's own: calibration steps (prefixes after decode), or auto's last trials."""
     trials = len(getattr(step, "trials", []))
-    if isinstance(step, RollplexSchedule) and cfg.warmup < CALIBRATION_STEPS:
+    early = min(CALIBRATION_STEPS - cfg.warmup, cfg.steps)
+    if isinstance(step, RollplexSchedule) and early > 0 and (step.auto or step.policy.overlap):
+        what = "are auto's last trials" if step.auto else "calibrate (prefixes after decode)"
         print(
-            f"    the first {CALIBRATION_STEPS - cfg.warmup} timed step(s) calibrate (prefixes after decode): "
-            f"--warmup {CALIBRATION_STEPS} leaves them out",
+            f"    the first {early} timed step(s) {what}: --warmup {CALIBRATION_STEPS} leaves them out",
             flush=True,
         )
     return cfg.warmup + trials

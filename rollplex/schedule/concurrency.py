@@ -287,6 +287,7 @@ class SideWork:
         if self.started:
             self._thread.join()
         self._result = self._error = None  # the main thread's error is the one raised
+        self.fn = None  # it closes over this object (see _run); unstarted, it never ran to drop it
 
     def join(self, consumers: Callable[[SideResult], list[torch.Tensor]] = lambda r: []) -> SideResult:
         """Wait for the worker; make the current stream wait for its stream and mark the tensors that

@@ -3,8 +3,9 @@
     T_rollplex = max(T_D + ΔD, T_P) + T_post        saving over serial  S = min(T_P − ΔD, T_D)
 
 T_D     standalone decode time: the decode rate of the latest step whose prefixes ran after decode
-        (the first two steps of every run are such: schedule.rollplex.CALIBRATION_STEPS) × this step's
-        decode steps
+        and was not the first of its process (until one has, the first; schedule.rollplex.RollplexSchedule:
+        a new run's second step)
+        × this step's decode steps
 T_P     standalone time of the Phase-1 side work (reference prefix, and the actor prefixes unless
         prefill fusion computed them before decode), from that same step
 T_P_corun  the side work's span while co-running with decode

@@ -60,6 +60,10 @@ from rollplex.types import PrefixState, Prompt, RolloutBatch, ScoredBatch
 
 log = logging.getLogger(__name__)
 
+# Steps a new run spends on calibration (``RollplexSchedule``): its first step, which also compiles, and
+# the next, whose standalone figures stand.
+CALIBRATION_STEPS = 2
+
 Prefixes = tuple[PrefixState | None, list[PrefixState] | None]
 
 
@@ -224,16 +228,20 @@ def phase1(roles: Roles, prompts: list[Prompt], timer, policy: CoRunPolicy) -> P
     return Phase1(rollout, reference, actor, timer.now() - start, span, policy.overlap, sms)
 
 
-# Steps whose Phase-1 side work runs after decode, measuring decode and side work alone for Eq. 1's T_D and
-# T_P: the first step of a run also compiles the layers and captures the decode step (on one H200 its
-# side work took 9.7 s against 0.7 s after), so the second measures again and its figures stand.
-CALIBRATION_STEPS = 2
-
-
 class RollplexSchedule:
     """The Rollplex step (``run.schedule`` rollplex or auto) with what it learns across steps: the
     standalone decode and side-work times behind Eq. 1's T_D and T_P, and for ``auto`` the policy
-    trials and the choice."""
+    trials and the choice.
+
+    Calibration: steps run the side work after decode, measuring decode and side work alone, until a
+    step that is not the first of its process has done so. The first step of a process also compiles
+    the layers and captures the decode step (on one H200 at the 3B workload its side work took 9.7 s,
+    against 0.7 s in a warmed-up process), so its figures stand only until such a step replaces them. A
+    new run therefore calibrates on its first ``CALIBRATION_STEPS`` steps; a resumed, calibrated run
+    keeps the figures of its checkpoint. auto's trials follow calibration; a resumed run whose trials
+    are not done runs its first step after decode without counting it as a trial, so no trial's span
+    holds the compilation.
+    """
 
     def __init__(self, cfg: Config, device: torch.device):
         self.policy = CoRunPolicy.from_config(cfg)
@@ -245,53 +253,80 @@ class RollplexSchedule:
             self.trials = auto_candidates(device) * cfg.run.auto_trials
             self.policy = self.trials[0]
         self.alone = Standalone()
+        self.calibrated = False  # standalone figures from a step that was not its process's first
+        self.trials_done = 0
         self.step_index = 0
+        self.process_steps = 0  # steps run by this process (not saved)
+
+    def _trial_due(self) -> bool:
+        """Whether the next step is one of auto's trials."""
+        return self.calibrated and self.trials_done < len(self.trials) and self.process_steps > 0
 
     def _next_policy(self) -> CoRunPolicy:
-        """The first ``CALIBRATION_STEPS`` steps run the side work after decode (calibration: they
-        measure decode and side work alone, the second after the first has compiled and warmed up the
-        allocator); ``auto`` then tries each candidate ``run.auto_trials`` times, round robin, and keeps
-        the fastest; otherwise the configured policy."""
-        if self.step_index < CALIBRATION_STEPS:
+        """The side work after decode until calibrated, and on a resumed run's first step while trials
+        remain; then ``auto`` tries each candidate ``run.auto_trials`` times, round robin, and keeps the
+        fastest; otherwise the configured policy."""
+        if self._trial_due():
+            return self.trials[self.trials_done]
+        if not self.calibrated or self.trials_done < len(self.trials):
             return replace(self.policy, overlap=False)
-        trial = self.step_index - CALIBRATION_STEPS
-        if 0 <= trial < len(self.trials):
-            return self.trials[trial]
         return self.policy
+
+    def _keep_standalone(self, alone: Standalone, overlapped: bool) -> None:
+        """Take a step's standalone figures (``eq1.phase1_terms``) unless they come from the first step
+        of this process and figures are already known: that step also compiled."""
+        if overlapped:
+            return
+        if self.process_steps > 0:
+            self.alone, self.calibrated = alone, True
+        elif self.alone.side_seconds is None:
+            self.alone = alone
+
+    def _finish_step(
+        self, policy: CoRunPolicy, trial: bool, alone: Standalone, overlapped: bool, span: float
+    ) -> None:
+        """What a step leaves: its standalone figures (``_keep_standalone``), a trial's span, the counts."""
+        self._keep_standalone(alone, overlapped)
+        if trial:
+            self._learn(policy, span)
+        self.step_index += 1
+        self.process_steps += 1
 
     def _learn(self, policy: CoRunPolicy, span: float) -> None:
         """Record a trial's decode/side-work span; after the last trial keep the policy whose median
         span is shortest (the span is the only part of the step a policy changes)."""
-        trial = self.step_index - CALIBRATION_STEPS
-        if not 0 <= trial < len(self.trials):
-            return
         self.timings.setdefault(policy, []).append(span)
-        if trial == len(self.trials) - 1:
+        self.trials_done += 1
+        if self.trials_done == len(self.trials):
             medians = {p: statistics.median(t) for p, t in self.timings.items()}
             self.policy = min(medians, key=medians.get)
             table = ", ".join(f"{p.name} {t:.3f} s" for p, t in medians.items())
             log.info("auto schedule: decode/prefix span %s; keeping %s", table, self.policy.name)
 
     def state_dict(self) -> dict:
-        """What the schedule has learned (for checkpoints): step count, policy, the trial plan and the
-        trials' spans, standalone times."""
+        """What the schedule has learned (for checkpoints): step count, whether it is calibrated, policy,
+        the trial plan, the trials run and their spans, standalone times."""
         return {
             "schedule": self.name,
             "step_index": self.step_index,
+            "calibrated": self.calibrated,
             "policy": asdict(self.policy),
             "trials": [asdict(p) for p in self.trials],
+            "trials_done": self.trials_done,
             "timings": [(asdict(p), list(t)) for p, t in self.timings.items()],
             "alone": asdict(self.alone),
         }
 
     def load_state_dict(self, state: dict) -> None:
-        """Continue from ``state_dict()``'s output: a resumed run neither recalibrates nor repeats trials,
-        and keeps the trial plan it started with even if ``run.auto_trials`` changed on resume. auto
-        keeps the policy it chose; a rollplex run takes its policy from the config it resumes with.
+        """Continue from ``state_dict()``'s output: a resumed run neither recalibrates, once calibrated,
+        nor repeats trials, and keeps the trial plan it started with even if ``run.auto_trials`` changed
+        on resume. auto keeps the policy it chose; a rollplex run takes its policy from the config it
+        resumes with. A state saved before calibration and trial counts were kept (one calibration step,
+        trials from step 1) is read by that rule.
 
         Raises:
-            ValueError: the state is of the other schedule (auto against rollplex): auto's trials are
-                indexed by step, so a run cannot switch between the two mid-way.
+            ValueError: the state is of the other schedule (auto against rollplex): a run cannot switch
+                between the two mid-way.
         """
         saved, current = state.get("schedule"), self.name
         if saved is not None and saved != current:
@@ -300,11 +335,15 @@ class RollplexSchedule:
                 f"run.schedule={saved}, or start a new run"
             )
         self.step_index = int(state["step_index"])
+        self.calibrated = bool(state.get("calibrated", self.step_index >= 1))
         if self.auto:
             self.policy = CoRunPolicy(**state["policy"])
             if "trials" in state:
                 self.trials = [CoRunPolicy(**p) for p in state["trials"]]
             self.timings = {CoRunPolicy(**p): list(t) for p, t in state["timings"]}
+            self.trials_done = int(
+                state.get("trials_done", min(max(self.step_index - 1, 0), len(self.trials)))
+            )
         self.alone = Standalone(**state["alone"])
 
     def __call__(
@@ -313,7 +352,7 @@ class RollplexSchedule:
         """One iteration in the Rollplex order. Returns the scored batch, actor statistics, gradient
         norms and the step's schedule metrics (Eq. 1 terms, policy)."""
         cfg = roles.config
-        policy = self._next_policy()
+        policy, trial = self._next_policy(), self._trial_due()
         first = phase1(roles, prompts, timer, policy)
         shuffled = shuffled_rollout(roles, first.rollout, timer)
         post_start = timer.now()
@@ -325,11 +364,8 @@ class RollplexSchedule:
             stats = [actor_backward(roles, scored, list(range(len(prompts))), None, prefixes=first.actor)]
         with timer.phase("optimizer"):
             norms = [roles.optimizer.clip_and_step(cfg.optim.max_grad_norm)]
-        terms, self.alone = phase1_terms(
-            first.rollout.timeline, first.prefix_span, first.overlapped, self.alone
-        )
-        self._learn(policy, terms["eq1/span"])
-        self.step_index += 1
+        terms, alone = phase1_terms(first.rollout.timeline, first.prefix_span, first.overlapped, self.alone)
+        self._finish_step(policy, trial, alone, first.overlapped, terms["eq1/span"])
         extra = {**terms, "eq1/T_post": timer.now() - post_start, "eq1/phase1": first.makespan}
         extra["schedule/overlap"] = float(policy.overlap)
         extra["schedule/chunk_groups"] = float(policy.chunk_groups)

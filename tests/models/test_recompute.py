@@ -176,7 +176,7 @@ def test_dropout_is_refused(models):  # noqa: F811
 
 def test_enabling_again_stacks_no_hook(models):  # noqa: F811
     """Each call re-enables transformers' checkpointing (the bench switches the layer function per row);
-    the model's forward hooks stay those of the first call, however many calls follow."""
+    the model holds as many forward hooks as after the first call, however many calls follow."""
 
     def hooks(model) -> list:
         return [h for module in model.modules() for h in module._forward_hooks.values()]

@@ -15,7 +15,7 @@ from rollplex.loop import train
 from rollplex.schedule import concurrency
 from rollplex.schedule import rollplex as rollplex_schedule
 from rollplex.schedule.concurrency import SideWork, cross_stream_backward, green_stream
-from rollplex.schedule.rollplex import CoRunPolicy
+from rollplex.schedule.rollplex import CALIBRATION_STEPS, CoRunPolicy
 from tests.schedule.test_same_update import SCHEDULES, green_capable, step_rows
 from tests.test_loop import _config, assets  # noqa: F401  (fixture)
 
@@ -245,16 +245,17 @@ def test_the_worker_leaves_the_green_stream_at_the_first_barrier_after_decode():
 
 def _tensors_in_cycles() -> int:
     """Tensors that only a reference cycle keeps alive now (they stay allocated until Python's collector
-    runs); the collector's state is restored."""
+    runs); the collector's debug flags are restored."""
     import gc
 
+    flags = gc.get_debug()
     gc.set_debug(gc.DEBUG_SAVEALL)
     try:
         gc.collect()
         return sum(isinstance(o, torch.Tensor) for o in gc.garbage)
     finally:
         gc.garbage.clear()
-        gc.set_debug(0)
+        gc.set_debug(flags)
 
 
 @pytest.mark.parametrize("row", ["serial", "overlap", "fusion", "both"])
@@ -276,10 +277,11 @@ def test_a_step_leaves_no_tensor_to_the_garbage_collector(row):
     enabled = gc.isenabled()
     gc.disable()
     try:
-        for _ in range(2):
-            step(roles, work.prompts, timer)  # the outputs dropped at once
+        for _ in range(CALIBRATION_STEPS + 1):  # the calibration steps, then one as the row runs them
+            extra = step(roles, work.prompts, timer)[-1]  # the outputs dropped at once
             timer.pop()
             assert _tensors_in_cycles() == 0
+        assert extra.get("schedule/overlap", 0.0) == float(row in ("overlap", "both"))
     finally:
         if enabled:
             gc.enable()
@@ -287,8 +289,8 @@ def test_a_step_leaves_no_tensor_to_the_garbage_collector(row):
 
 def test_the_worker_hands_over_its_result_and_error():
     """``join`` returns what the work made and keeps no reference to it, nor to the work itself (which
-    closes over the worker, as the schedule's does) once it has run; an error is raised once, and the
-    worker keeps none."""
+    closes over the worker, as the schedule's does) once it has run; an error is raised, and the worker
+    keeps neither it nor the work; a worker that never started drops its work at ``wait``."""
     import weakref
 
     def work() -> torch.Tensor:
@@ -306,3 +308,6 @@ def test_the_worker_hands_over_its_result_and_error():
     with pytest.raises(ZeroDivisionError):
         failing.join()
     assert failing._error is None and failing.fn is None
+    unstarted = SideWork(work, torch.device("cpu"))
+    unstarted.wait()
+    assert unstarted.fn is None

@@ -77,12 +77,11 @@ def test_auto_tries_each_policy_twice_then_keeps_the_fastest_median(assets, tmp_
     seen = []
     calibration = CALIBRATION_STEPS
     for _ in range(calibration + 2 * len(candidates) + 2):
-        policy = schedule._next_policy()
+        policy, trial = schedule._next_policy(), schedule._trial_due()
         seen.append(policy)
-        if schedule.step_index >= calibration:
-            schedule._learn(policy, spans[policy].pop(0) if spans[policy] else 0.0)
-        schedule.step_index += 1
-    assert calibration == 2 and seen[:calibration] == [replace(candidates[0], overlap=False)] * 2
+        span = spans[policy].pop(0) if trial else 0.0
+        schedule._finish_step(policy, trial, Standalone(0.01, 0.5), policy.overlap, span)
+    assert seen[:calibration] == [replace(candidates[0], overlap=False)] * calibration
     assert seen[calibration : calibration + 2 * len(candidates)] == candidates * 2  # round robin
     assert seen[calibration + 2 * len(candidates) :] == [candidates[0]] * 2
 
@@ -142,34 +141,80 @@ def test_metrics_hold_eq1_terms(assets, tmp_path):  # noqa: F811
 
 
 def test_resumed_auto_run_neither_recalibrates_nor_repeats_trials(assets, tmp_path):  # noqa: F811
-    """5 auto steps == 2 + resume + 3 in the policy each step ran (calibration, then the round-robin
-    trials), and in weights: the schedule's state is in the checkpoint."""
+    """6 auto steps == 2 + resume + 4 in the policy each step ran (calibration, then the round-robin
+    trials; the resumed process's first step runs its prefixes after decode and is no trial, so the
+    trials follow it in order), and in weights: the schedule's state is in the checkpoint."""
     extra = {"run.schedule": "auto", "eval.every": 0, "run.device": "cpu"}
-    straight = train(_config(assets, tmp_path / "straight", 5, **extra))
+    straight = train(_config(assets, tmp_path / "straight", 6, **extra))
     split = train(_config(assets, tmp_path / "split", 2, **extra))
-    train(_config(assets, split, 5, **extra), resume=True)
+    train(_config(assets, split, 6, **extra), resume=True)
     policy = lambda run: [  # noqa: E731
         {k: v for k, v in row.items() if k.startswith("schedule/")} for row in _metrics(run) if "loss" in row
     ]
-    assert policy(straight) == policy(split)
-    assert [row["schedule/overlap"] for row in policy(straight)] == [0, 0, 0, 1, 1]
-    assert [row["schedule/chunk_groups"] for row in policy(straight)] == [0, 0, 0, 0, 1]
+    sequential = policy(straight)[0]
+    assert policy(split) == [*policy(straight)[:2], sequential, *policy(straight)[2:5]]
+    assert [row["schedule/overlap"] for row in policy(straight)] == [0, 0, 0, 1, 1, 0]
+    assert [row["schedule/chunk_groups"] for row in policy(straight)] == [0, 0, 0, 0, 1, 0]
     a, b = _weights(straight), _weights(split)
     assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_a_run_resumed_before_it_calibrated_calibrates_in_a_warmed_up_step(assets, tmp_path):  # noqa: F811
+    """Standalone figures stand only from a step that was not its process's first (which also
+    compiles): a run saved after one step runs two more steps after decode on resume, and its
+    overlapped steps take the second of them as T_P; a calibrated run does not calibrate again."""
+    extra = {"run.schedule": "rollplex", "eval.every": 0, "run.device": "cpu", "run.save_every": 1}
+    run = train(_config(assets, tmp_path / "run", 1, **extra))
+    train(_config(assets, run, 4, **extra), resume=True)
+    rows = [r for r in _metrics(run) if "loss" in r]
+    assert [r["schedule/overlap"] for r in rows] == [0, 0, 0, 1]
+    assert rows[3]["eq1/T_P"] == rows[2]["eq1/T_P_corun"]
+    train(_config(assets, run, 5, **extra), resume=True)
+    last = [r for r in _metrics(run) if "loss" in r][-1]
+    assert last["schedule/overlap"] == 1 and last["eq1/T_P"] == rows[2]["eq1/T_P_corun"]
+
+
+def test_a_resumed_auto_run_counts_no_trial_in_its_first_step(assets, tmp_path):  # noqa: F811
+    """A resumed auto run whose trials remain runs its process's first step after decode and does not
+    count it as a trial (it also compiles); a state saved before trial counts were kept continues as
+    it was saved (one calibration step, trials from step 1)."""
+    cfg = _config(assets, tmp_path, 1, **{"run.schedule": "auto", "run.auto_trials": 1})
+    saved = RollplexSchedule(cfg, torch.device("cpu"))
+    candidates = auto_candidates(torch.device("cpu"))
+    for _ in range(CALIBRATION_STEPS + 1):  # calibration, then the first trial
+        policy, trial = saved._next_policy(), saved._trial_due()
+        saved._finish_step(policy, trial, Standalone(0.01, 0.5), policy.overlap, 1.0)
+    resumed = RollplexSchedule(cfg, torch.device("cpu"))
+    resumed.load_state_dict(saved.state_dict())
+    assert resumed.calibrated and resumed.trials_done == 1
+    first = resumed._next_policy()
+    assert not resumed._trial_due() and not first.overlap
+    resumed._finish_step(first, False, Standalone(9.0, 9.0), False, 9.0)
+    assert resumed.alone == Standalone(0.01, 0.5)  # the compiling step's figures are not taken
+    assert resumed._trial_due() and resumed._next_policy() == candidates[1]
+    old = saved.state_dict()
+    for key in ("calibrated", "trials_done"):
+        del old[key]
+    legacy = RollplexSchedule(cfg, torch.device("cpu"))
+    legacy.load_state_dict(old | {"step_index": 3})
+    assert legacy.calibrated and legacy.trials_done == 2
 
 
 @pytest.mark.parametrize("resumed_trials", [1, 3])
 def test_resume_keeps_the_trial_plan_it_started_with(assets, tmp_path, resumed_trials):  # noqa: F811
     """A run resumed mid-trials with another ``run.auto_trials`` finishes the plan it started: the same
-    calibration and round robin as a straight run, then one kept policy (the choice itself depends on
-    measured spans, so only its being one policy is compared)."""
+    calibration and round robin as a straight run (after the resumed process's first step, no trial),
+    then one kept policy (the choice itself depends on measured spans, so only its being one policy is
+    compared)."""
     extra = {"run.schedule": "auto", "eval.every": 0, "run.device": "cpu", "run.auto_trials": 2}
     plan = CALIBRATION_STEPS + 2 * len(auto_candidates(torch.device("cpu")))  # calibration + trials
     straight = train(_config(assets, tmp_path / "straight", plan, **extra))
     split = train(_config(assets, tmp_path / "split", 5, **extra))
-    train(_config(assets, split, plan + 2, **{**extra, "run.auto_trials": resumed_trials}), resume=True)
+    train(_config(assets, split, plan + 3, **{**extra, "run.auto_trials": resumed_trials}), resume=True)
     policy = lambda run: [  # noqa: E731
         {k: v for k, v in row.items() if k.startswith("schedule/")} for row in _metrics(run) if "loss" in row
     ]
-    assert policy(split)[:plan] == policy(straight)
-    assert policy(split)[plan] == policy(split)[plan + 1]
+    ran = policy(split)
+    assert ran[:5] == policy(straight)[:5] and ran[5]["schedule/overlap"] == 0
+    assert ran[6 : plan + 1] == policy(straight)[5:]
+    assert ran[plan + 1] == ran[plan + 2]

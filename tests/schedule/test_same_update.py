@@ -59,21 +59,25 @@ def test_schedules_give_identical_fp32_masters_with_a_bf16_model(assets, tmp_pat
     for name in ("serial", "fused"):
         overrides = {"algo.kl_coef": 0.05, "eval.every": 0, "run.device": "cpu", "run.dtype": "bfloat16"}
         overrides["reward.functions"] = "[rollplex.bench.common:distinct_reward]"  # a nonzero update
-        runs[name] = train(_config(assets, tmp_path / name, 2, **overrides, **SCHEDULES[name]))
+        runs[name] = train(
+            _config(assets, tmp_path / name, CALIBRATION_STEPS + 1, **overrides, **SCHEDULES[name])
+        )
+    assert_overlapped(runs, "fused")
     masters = [key for key in optimizer_tensors(runs["serial"]) if key[1] == "master"]
     assert masters and len(masters) == len(assert_moved(runs["serial"], assets[0]))
     assert_same_update(runs)
 
 
 def test_schedules_give_identical_parameters(assets, tmp_path):  # noqa: F811
-    """3 steps with KL on and 4-token responses (the suffix path runs): weights and every metric except
+    """4 steps with KL on and 4-token responses (the suffix path runs): weights and every metric except
     timings are bitwise equal across serial, rollplex with and without the worker thread, with and
     without prefill fusion, with chunked prefix issue (with fusion and an SM limit: "green"), and auto
-    (which switches policy between steps)."""
+    (which switches policy between steps: two calibration steps, then its first two trials)."""
     runs = {}
     for name, extra in SCHEDULES.items():
         overrides = {"algo.kl_coef": 0.05, "eval.every": 0, "run.device": "cpu", **extra}
-        runs[name] = train(_config(assets, tmp_path / name, 3, **overrides))
+        runs[name] = train(_config(assets, tmp_path / name, CALIBRATION_STEPS + 2, **overrides))
+    assert_overlapped(runs, "rollplex", "fused", "chunked", "green", "auto")
     metrics = assert_same_update(runs)
     assert any(r.get("kl", 0) > 0 for r in metrics["serial"])  # the reference path really ran
 
@@ -90,12 +94,13 @@ def test_schedules_give_identical_parameters_under_checkpointing(assets, tmp_pat
         overrides["model.gradient_checkpointing"] = "true"
         overrides["model.layer_recompute"] = str(name != "torch-checkpoint").lower()
         overrides["reward.functions"] = "[rollplex.bench.common:distinct_reward]"  # a nonzero update
-        cfg = _config(assets, tmp_path / name, 2, **overrides)
+        cfg = _config(assets, tmp_path / name, CALIBRATION_STEPS + 1, **overrides)
         layers = build_run(cfg).roles.actor.model.language_model.layers  # checkpointed as configured
         uses = {layer._gradient_checkpointing_func.func for layer in layers}
         assert uses == {recompute.checkpoint if name != "torch-checkpoint" else checkpoint}, name
         runs[name] = train(cfg)
     assert_moved(runs["serial"], assets[0])
+    assert_overlapped(runs, "rollplex", "fused")
     torch_checkpoint = runs.pop("torch-checkpoint")
     assert_same_update(runs)
     # against torch's checkpoint the parameters' gradients sum in another order: the same update up to
@@ -118,6 +123,13 @@ def assert_moved(run, model_dir) -> dict[str, torch.Tensor]:
     moved = [k for k in final if k in initial and not torch.equal(final[k], initial[k].to(final[k].dtype))]
     assert moved, "the update was zero: nothing to compare"
     return final
+
+
+def assert_overlapped(runs: dict, *names: str) -> None:
+    """Assert that each named run's last step ran its prefixes beside decode (a comparison of calibration
+    steps alone would leave the worker thread and the co-running untested)."""
+    for name in names:
+        assert step_rows(runs[name])[-1]["schedule/overlap"] == 1.0, name
 
 
 def step_rows(run) -> list[dict]:

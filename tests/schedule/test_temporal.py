@@ -15,10 +15,12 @@ from rollplex.algo.rewards import Score
 from rollplex.loop import build_run, temporal_metrics, train
 from rollplex.observe.metrics import PhaseTimer
 from rollplex.schedule import make_step
+from rollplex.schedule.rollplex import CALIBRATION_STEPS
 from tests.schedule.test_same_update import (
     SCHEDULES,
     _check_barriers,
     assert_moved,
+    assert_overlapped,
     assert_same_optimizer,
     assert_same_update,
     first_overlapped_step_events,
@@ -150,12 +152,13 @@ def test_the_bonus_follows_the_rule_on_the_shuffled_rollout(
 
 
 def test_every_schedule_gives_the_same_update(assets, tmp_path, varied_accuracy):  # noqa: F811
-    """3 steps with T-GRPO on: every schedule of the same-update test (rollplex with and without the worker
+    """4 steps with T-GRPO on: every schedule of the same-update test (rollplex with and without the worker
     thread and prefill fusion, chunked, auto) ends with serial's weights and metrics, bitwise; the T-GRPO
     metrics are recorded."""
     runs = {}
     for name, extra in SCHEDULES.items():
-        runs[name] = train(_config(assets, tmp_path / name, 3, **TEMPORAL, **extra))
+        runs[name] = train(_config(assets, tmp_path / name, CALIBRATION_STEPS + 2, **TEMPORAL, **extra))
+    assert_overlapped(runs, "rollplex", "fused", "auto")
     metrics = assert_same_update(runs)
     rows = [r for r in metrics["serial"] if "loss" in r]
     assert all(r["temporal/video_groups"] == 2.0 for r in rows)
