@@ -163,11 +163,11 @@ def default_row(name: str, device: torch.device) -> tuple[_Workload, Roles, Call
 def _warmup(step, cfg: ScheduleBenchConfig) -> int:
     """Discarded iterations: ``cfg.warmup``, and for ``auto`` also one per policy it tries. Where fewer
     than the rollplex schedule's calibration steps are discarded, a line says what the first timed steps
-    are instead of the row's own: calibration steps (prefixes after decode), or auto's last trials."""
+    are instead of the row's own: calibration steps (prefixes after decode), or auto's trials."""
     trials = len(getattr(step, "trials", []))
     early = min(CALIBRATION_STEPS - cfg.warmup, cfg.steps)
     if isinstance(step, RollplexSchedule) and early > 0 and (step.auto or step.policy.overlap):
-        what = "are auto's last trials" if step.auto else "calibrate (prefixes after decode)"
+        what = "are auto's trials" if step.auto else "calibrate (prefixes after decode)"
         print(
             f"    the first {early} timed step(s) {what}: --warmup {CALIBRATION_STEPS} leaves them out",
             flush=True,
@@ -223,7 +223,11 @@ def _timed_row(work: _Workload, name: str, cfg: ScheduleBenchConfig) -> tuple[di
         row["compile_fallback"] = fallback
         print(f"  {name}: layers ran uncompiled: {fallback}", flush=True)
     if getattr(step, "trials", None):
-        row["auto_policy"] = step.policy.name
+        left = len(step.trials) - step.trials_done
+        if left:  # too few steps for every trial: auto has kept no policy
+            row["auto_trials_left"] = left
+        else:
+            row["auto_policy"] = step.policy.name
         row["auto_trials_span_s"] = {p.name: statistics.median(t) for p, t in step.timings.items()}
     print(f"  {name}: {row['step_s_median']:.3f} s/step (spread {row['step_s_spread']:.3f})", flush=True)
     if held:
@@ -458,6 +462,8 @@ def _print(result: ScheduleBenchResult) -> None:
         if "auto_policy" in row:
             trials = ", ".join(f"{p} {t:.3f} s" for p, t in row["auto_trials_span_s"].items())
             print(f"{name}: median decode/prefix span per policy: {trials}; kept {row['auto_policy']}")
+        elif "auto_trials_left" in row:
+            print(f"{name}: {row['auto_trials_left']} trial(s) left after its steps: no policy kept")
 
 
 def verdict(row: dict) -> str:

@@ -3,9 +3,8 @@
     T_rollplex = max(T_D + ΔD, T_P) + T_post        saving over serial  S = min(T_P − ΔD, T_D)
 
 T_D     standalone decode time: the decode rate of the latest step whose prefixes ran after decode
-        and was not the first of its process (until one has, the first; schedule.rollplex.RollplexSchedule:
-        a new run's second step)
-        × this step's decode steps
+        and that was not the first of its process (until there is one, the run's first step;
+        schedule.rollplex.RollplexSchedule: a new run's second step) × this step's decode steps
 T_P     standalone time of the Phase-1 side work (reference prefix, and the actor prefixes unless
         prefill fusion computed them before decode), from that same step
 T_P_corun  the side work's span while co-running with decode

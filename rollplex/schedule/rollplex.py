@@ -18,10 +18,11 @@ take the RolloutBatch and the joined worker's PrefixStates as arguments.
 The update is the serial schedule's update: same θ_k, responses, prefixes and loss, so on the CPU the
 parameters after any number of steps are bitwise equal to ``serial``'s (tests/schedule). The co-running
 policy (overlap or not, decode priority, prefix chunks, SM carve-out, SM partitioning) changes timing
-only. The first
-step runs its prefixes after decode, to measure decode and prefixes alone (Eq. 1's T_D and T_P);
-``auto`` then tries each policy ``run.auto_trials`` times (default 2), round robin, and keeps the one
-whose median decode/prefix span is shortest.
+only. Steps
+run their prefixes after decode, to measure decode and prefixes alone (Eq. 1's T_D and T_P), until a
+step that is not the first of its process has done so (``RollplexSchedule``: a new run's first two
+steps); ``auto`` then tries each policy ``run.auto_trials`` times (default 2), round robin, and keeps
+the one whose median decode/prefix span is shortest.
 """
 
 from __future__ import annotations
@@ -321,8 +322,9 @@ class RollplexSchedule:
         """Continue from ``state_dict()``'s output: a resumed run neither recalibrates, once calibrated,
         nor repeats trials, and keeps the trial plan it started with even if ``run.auto_trials`` changed
         on resume. auto keeps the policy it chose; a rollplex run takes its policy from the config it
-        resumes with. A state saved before calibration and trial counts were kept (one calibration step,
-        trials from step 1) is read by that rule.
+        resumes with. A state saved before calibration and trial counts were kept is read as not
+        calibrated (its figures came from a step that compiled) and with as many trials done as it
+        holds spans.
 
         Raises:
             ValueError: the state is of the other schedule (auto against rollplex): a run cannot switch
@@ -335,14 +337,14 @@ class RollplexSchedule:
                 f"run.schedule={saved}, or start a new run"
             )
         self.step_index = int(state["step_index"])
-        self.calibrated = bool(state.get("calibrated", self.step_index >= 1))
+        self.calibrated = bool(state.get("calibrated", False))
         if self.auto:
             self.policy = CoRunPolicy(**state["policy"])
             if "trials" in state:
                 self.trials = [CoRunPolicy(**p) for p in state["trials"]]
             self.timings = {CoRunPolicy(**p): list(t) for p, t in state["timings"]}
             self.trials_done = int(
-                state.get("trials_done", min(max(self.step_index - 1, 0), len(self.trials)))
+                state.get("trials_done", min(sum(map(len, self.timings.values())), len(self.trials)))
             )
         self.alone = Standalone(**state["alone"])
 

@@ -52,7 +52,8 @@ def test_rows_reach_the_same_parameters(tmp_path):
     assert result.rows["both-whole-batch"]["baseline"] == "serial-whole-batch"
     assert result.rows["both"]["baseline"] == "serial"
     assert result.rows["both-torch-checkpoint"]["baseline"] == "serial-torch-checkpoint"
-    assert result.rows["auto"]["auto_policy"]
+    # one timed step after no warm-up: auto ran its calibration and as many trials as fit, and kept none
+    assert "auto_policy" not in result.rows["auto"] and result.rows["auto"]["auto_trials_left"] == 1
     # with no warm-up, the calibration steps and the trials that fit before the timed step
     assert result.rows["auto"]["steps_taken"] == CALIBRATION_STEPS + len(
         result.rows["auto"]["auto_trials_span_s"]

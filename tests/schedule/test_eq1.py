@@ -105,8 +105,8 @@ def test_a_resumed_rollplex_run_takes_its_policy_from_its_config_and_auto_its_ch
 
 
 def test_a_run_cannot_switch_between_auto_and_rollplex_on_resume(assets, tmp_path):  # noqa: F811
-    """auto's trials are indexed by step: a checkpoint of one schedule is refused by the other, naming
-    both, before anything of the state is taken."""
+    """A run cannot switch between auto and rollplex mid-way: a checkpoint of one schedule is refused by
+    the other, naming both, before anything of the state is taken."""
 
     def make(name):
         return RollplexSchedule(_config(assets, tmp_path, 1, **{"run.schedule": name}), torch.device("cpu"))
@@ -177,7 +177,7 @@ def test_a_run_resumed_before_it_calibrated_calibrates_in_a_warmed_up_step(asset
 def test_a_resumed_auto_run_counts_no_trial_in_its_first_step(assets, tmp_path):  # noqa: F811
     """A resumed auto run whose trials remain runs its process's first step after decode and does not
     count it as a trial (it also compiles); a state saved before trial counts were kept continues as
-    it was saved (one calibration step, trials from step 1)."""
+    the trials its spans hold, and calibrates again (its figures came from the step that compiled)."""
     cfg = _config(assets, tmp_path, 1, **{"run.schedule": "auto", "run.auto_trials": 1})
     saved = RollplexSchedule(cfg, torch.device("cpu"))
     candidates = auto_candidates(torch.device("cpu"))
@@ -192,12 +192,30 @@ def test_a_resumed_auto_run_counts_no_trial_in_its_first_step(assets, tmp_path):
     resumed._finish_step(first, False, Standalone(9.0, 9.0), False, 9.0)
     assert resumed.alone == Standalone(0.01, 0.5)  # the compiling step's figures are not taken
     assert resumed._trial_due() and resumed._next_policy() == candidates[1]
-    old = saved.state_dict()
-    for key in ("calibrated", "trials_done"):
-        del old[key]
+    # states of the earlier formats after 3 steps: calibration at step 0 and trials 0 and 1 at steps 1
+    # and 2, or calibration at steps 0 and 1 and trial 0 at step 2; the trials done are the spans held
     legacy = RollplexSchedule(cfg, torch.device("cpu"))
-    legacy.load_state_dict(old | {"step_index": 3})
-    assert legacy.calibrated and legacy.trials_done == 2
+    trials = legacy.trials
+    old = {
+        "schedule": "auto",
+        "step_index": 3,
+        "policy": asdict(trials[0]),
+        "trials": [asdict(p) for p in trials],
+        "timings": [(asdict(trials[0]), [2.0])],
+        "alone": asdict(Standalone(9.0, 9.0)),
+    }
+    legacy.load_state_dict(old)
+    assert not legacy.calibrated and legacy.trials_done == 1
+    legacy.load_state_dict(old | {"timings": [(asdict(trials[0]), [2.0]), (asdict(trials[1]), [1.0])]})
+    assert not legacy.calibrated and legacy.trials_done == 2
+    ran = []
+    for figures in (Standalone(8.0, 8.0), Standalone(0.01, 0.5), Standalone(0.02, 0.6)):
+        policy, trial = legacy._next_policy(), legacy._trial_due()
+        ran.append((policy, trial))
+        legacy._finish_step(policy, trial, figures, policy.overlap, 1.0)
+    sequential = replace(trials[0], overlap=False)
+    assert ran == [(sequential, False), (sequential, False), (trials[2], True)]
+    assert legacy.calibrated and legacy.alone == Standalone(0.01, 0.5) and legacy.trials_done == 3
 
 
 @pytest.mark.parametrize("resumed_trials", [1, 3])

@@ -158,7 +158,7 @@ def test_every_schedule_gives_the_same_update(assets, tmp_path, varied_accuracy)
     runs = {}
     for name, extra in SCHEDULES.items():
         runs[name] = train(_config(assets, tmp_path / name, CALIBRATION_STEPS + 2, **TEMPORAL, **extra))
-    assert_overlapped(runs, "rollplex", "fused", "auto")
+    assert_overlapped(runs, "rollplex", "fused", "chunked", "green", "auto")
     metrics = assert_same_update(runs)
     rows = [r for r in metrics["serial"] if "loss" in r]
     assert all(r["temporal/video_groups"] == 2.0 for r in rows)
