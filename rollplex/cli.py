@@ -258,9 +258,9 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     from rollplex.bench.variants import DECODE_VARIANTS, MAIN_ROWS, ROWS, ROWS_HELP
     from rollplex.config import COMPILE_MODES, DECODE_ATTENTION
 
-    bench = sub.add_parser("bench", help="GPU benchmarks, measured side by side").add_subparsers(
-        dest="bench_command", required=True
-    )
+    bench = sub.add_parser(
+        "bench", help="benchmarks, measured side by side (GPU workloads; --preset tiny on the CPU)"
+    ).add_subparsers(dest="bench_command", required=True)
     p = bench.add_parser("prefix", help="prefix + suffix vs naive per-sequence scoring and training")
     _add_workload_arguments(p)
     p.add_argument("--repeats", type=_at_least(1), help="timed repeats after one warm-up (default 1)")

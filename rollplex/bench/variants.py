@@ -50,8 +50,8 @@ _BOTH = {"run.schedule": "rollplex", "run.overlap": True, "run.prefill_fusion": 
 _SUFFIX_ROWS = ("causal", "sdpa", "flex")  # the suffix attention backends with rows of their own
 ROWS_HELP = """\
 Rows of rollplex bench schedule (each from the same initial weights and optimizer state, same prompts
-and seeds; the other rows use the suffix attention of the device and dtype: dense on the CPU, so the
-suffix rows differ from serial there on purpose):
+and seeds; rows not named for a suffix attention backend use the default of the device and dtype, dense
+on the CPU, so on the CPU the -causal and -sdpa rows differ from serial on purpose):
 
 serial                the paper's Colocate baseline
 overlap               rollplex: reference and actor prefixes on a worker stream during decode
