@@ -427,13 +427,17 @@ def train(cfg: Config, resume: bool = False, overwrite: bool = False) -> Path:
         record = _train_step(run, step, timer)
         run.updates_skipped += record["skipped_updates"]
         step += 1
+        start = timer.now()
         evaluation = _maybe_eval(run, step, force=step == cfg.run.steps)
+        if evaluation:  # between steps: a span of the trace, not a phase of the step
+            timer.record("evaluation", start, timer.now(), count=False)
         record.update(evaluation)
         metrics.write(record)
         bar.update(record)
         if not cfg.run.progress and (step % cfg.run.log_every == 0 or step == cfg.run.steps):
             log.info(_log_line(record))
         if _should_save(cfg, step):
+            start = timer.now()
             save_checkpoint(
                 run.run_dir,
                 step,
@@ -442,6 +446,7 @@ def train(cfg: Config, resume: bool = False, overwrite: bool = False) -> Path:
                 trainer_state=trainer_state(run, step),
                 keep=cfg.run.keep_checkpoints,
             )
+            timer.record("checkpoint", start, timer.now(), count=False)
             # a killed run keeps its trace
             write_chrome_trace(timer.spans, trace_path, earlier_trace, resume_step)
     bar.close()  # the last step always saves a checkpoint, and with it the trace

@@ -351,6 +351,24 @@ def test_the_trace_outlives_a_killed_run_and_a_resume_continues_it(assets, tmp_p
     assert steps == [1, 2, 3, 4, 5, 6]
 
 
+def test_evaluation_and_checkpoints_are_in_the_trace_and_not_in_the_step_times(assets, tmp_path):
+    """Work between steps (held-out evaluation, checkpoint saves) shows in the trace, stamped with the
+    step it follows, and stays out of the steps' phase times (``time/*``)."""
+    cfg = _config(assets, tmp_path / "run", 3, **{"eval.every": 2, "run.save_every": 1})
+    run_dir = train(cfg)
+    trace = json.loads((run_dir / "trace.json").read_text())
+
+    def steps(name: str) -> list[int]:
+        return [e["args"]["step"] for e in trace["traceEvents"] if e["ph"] == "X" and e["name"] == name]
+
+    assert steps("evaluation") == [2, 3] and steps("checkpoint") == [1, 2, 3]
+    rows = _metrics(run_dir)
+    assert not any(k in row for row in rows for k in ("time/evaluation", "time/checkpoint"))
+    events = [e for e in trace["traceEvents"] if e["ph"] == "X"]
+    last_rollout = max(e["ts"] for e in events if e["name"] == "rollout")
+    assert max(e["ts"] for e in events if e["name"] == "evaluation") > last_rollout  # after the last step
+
+
 def test_a_resume_from_an_older_checkpoint_traces_each_step_once(assets, tmp_path):
     """The newest checkpoint lost (step 4 of 4): the resume trains steps 3 and 4 again from step 2's,
     and the trace keeps steps 1-2 of the first run and steps 3-4 of the resumed one."""

@@ -195,9 +195,12 @@ class PhaseTimer:
         """The clock after the timer's sync (for spans timed by their owner, see ``record``)."""
         return self._now()
 
-    def record(self, name: str, start: float, end: float, stream: str = "main") -> None:
-        """Add a span timed elsewhere (e.g. by a worker thread that synchronises only its own stream)."""
-        self._totals[name] += end - start
+    def record(self, name: str, start: float, end: float, stream: str = "main", count: bool = True) -> None:
+        """Add a span timed elsewhere (e.g. by a worker thread that synchronises only its own stream);
+        with ``count`` False it goes to the trace only, not to the phase times ``pop`` returns (work
+        between steps, such as evaluation and checkpoints)."""
+        if count:
+            self._totals[name] += end - start
         self.spans.append(Span(start, end, name, stream, self.step))
 
     def pop(self) -> dict[str, float]:

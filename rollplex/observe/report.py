@@ -218,11 +218,14 @@ PHASES = (
     "other",
     "temporal",
 )
+BETWEEN_STEPS = {"evaluation": "0.75", "checkpoint": "0.45"}  # greys: the trace's work between steps
 
 
 def phase_colour(name: str) -> str:
     """One colour per phase name in every figure (matplotlib's C0–C9 cycle in ``PHASES`` order; other
-    names after them)."""
+    names after them; greys for ``BETWEEN_STEPS``)."""
+    if name in BETWEEN_STEPS:
+        return BETWEEN_STEPS[name]
     index = PHASES.index(name) if name in PHASES else len(PHASES) + sum(map(ord, name))
     return f"C{index % 10}"
 

@@ -264,6 +264,8 @@ def test_a_phase_has_one_colour_in_every_figure():
     from rollplex.observe.report import PHASES, phase_colour, step_time_figure, timeline_figure
 
     assert len({phase_colour(name) for name in PHASES}) == len(PHASES)
+    greys = {phase_colour("evaluation"), phase_colour("checkpoint")}
+    assert len(greys) == 2 and not greys & {phase_colour(name) for name in PHASES}
     rows = [{"step": 1, "time/data": 0.1, "time/actor": 2.0}]
     bars = step_time_figure(rows).axes[0]
     bar_colours = {c.get_label(): c.patches[0].get_facecolor() for c in bars.containers}
