@@ -256,7 +256,6 @@ class RollplexSchedule:
         self.alone = Standalone()
         self.calibrated = False  # standalone figures from a step that was not its process's first
         self.trials_done = 0
-        self.step_index = 0
         self.process_steps = 0  # steps run by this process (not saved)
 
     def _trial_due(self) -> bool:
@@ -286,11 +285,10 @@ class RollplexSchedule:
     def _finish_step(
         self, policy: CoRunPolicy, trial: bool, alone: Standalone, overlapped: bool, span: float
     ) -> None:
-        """What a step leaves: its standalone figures (``_keep_standalone``), a trial's span, the counts."""
+        """What a step leaves: its standalone figures (``_keep_standalone``), a trial's span, the process's step count."""
         self._keep_standalone(alone, overlapped)
         if trial:
             self._learn(policy, span)
-        self.step_index += 1
         self.process_steps += 1
 
     def _learn(self, policy: CoRunPolicy, span: float) -> None:
@@ -305,11 +303,10 @@ class RollplexSchedule:
             log.info("auto schedule: decode/prefix span %s; keeping %s", table, self.policy.name)
 
     def state_dict(self) -> dict:
-        """What the schedule has learned (for checkpoints): step count, whether it is calibrated, policy,
-        the trial plan, the trials run and their spans, standalone times."""
+        """What the schedule has learned (for checkpoints): whether it is calibrated, policy, the trial
+        plan, the trials run and their spans, standalone times."""
         return {
             "schedule": self.name,
-            "step_index": self.step_index,
             "calibrated": self.calibrated,
             "policy": asdict(self.policy),
             "trials": [asdict(p) for p in self.trials],
@@ -336,7 +333,6 @@ class RollplexSchedule:
                 f"run.schedule={current}, but the checkpoint's run used {saved}: resume with "
                 f"run.schedule={saved}, or start a new run"
             )
-        self.step_index = int(state["step_index"])
         self.calibrated = bool(state.get("calibrated", False))
         if self.auto:
             self.policy = CoRunPolicy(**state["policy"])

@@ -112,12 +112,12 @@ def test_a_run_cannot_switch_between_auto_and_rollplex_on_resume(assets, tmp_pat
         return RollplexSchedule(_config(assets, tmp_path, 1, **{"run.schedule": name}), torch.device("cpu"))
 
     for saved, resumed in (("auto", "rollplex"), ("rollplex", "auto")):
-        state, schedule = make(saved).state_dict() | {"step_index": 3}, make(resumed)
+        state, schedule = make(saved).state_dict() | {"calibrated": True, "trials_done": 3}, make(resumed)
         with pytest.raises(
             ValueError, match=f"run.schedule={resumed}, but the checkpoint's run used {saved}"
         ):
             schedule.load_state_dict(state)
-        assert schedule.step_index == 0
+        assert not schedule.calibrated and schedule.trials_done == 0
 
 
 def test_auto_trials_sets_the_trials_per_policy(assets, tmp_path):  # noqa: F811
