@@ -5,6 +5,7 @@ The iteration itself lives in schedule/ (named phases); this module owns everyth
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import os
@@ -427,26 +428,21 @@ def train(cfg: Config, resume: bool = False, overwrite: bool = False) -> Path:
         record = _train_step(run, step, timer)
         run.updates_skipped += record["skipped_updates"]
         step += 1
-        start = timer.now()
-        evaluation = _maybe_eval(run, step, force=step == cfg.run.steps)
-        if evaluation:  # between steps: a span of the trace, not a phase of the step
-            timer.record("evaluation", start, timer.now(), count=False)
-        record.update(evaluation)
+        record.update(_maybe_eval(run, step, force=step == cfg.run.steps, timer=timer))
         metrics.write(record)
         bar.update(record)
         if not cfg.run.progress and (step % cfg.run.log_every == 0 or step == cfg.run.steps):
             log.info(_log_line(record))
         if _should_save(cfg, step):
-            start = timer.now()
-            save_checkpoint(
-                run.run_dir,
-                step,
-                model=run.roles.actor,
-                processor=run.processor,
-                trainer_state=trainer_state(run, step),
-                keep=cfg.run.keep_checkpoints,
-            )
-            timer.record("checkpoint", start, timer.now(), count=False)
+            with timer.phase("checkpoint", count=False):  # between steps: in the trace, not the step's times
+                save_checkpoint(
+                    run.run_dir,
+                    step,
+                    model=run.roles.actor,
+                    processor=run.processor,
+                    trainer_state=trainer_state(run, step),
+                    keep=cfg.run.keep_checkpoints,
+                )
             # a killed run keeps its trace
             write_chrome_trace(timer.spans, trace_path, earlier_trace, resume_step)
     bar.close()  # the last step always saves a checkpoint, and with it the trace
@@ -540,11 +536,15 @@ def step_memory(device: torch.device) -> dict[str, float]:
     }
 
 
-def _maybe_eval(run: Run, step: int, force: bool) -> dict:
+def _maybe_eval(run: Run, step: int, force: bool, timer: PhaseTimer | None = None) -> dict:
+    """The held-out metrics where evaluation is due after ``step`` (or ``force``), else {}; with ``timer``,
+    the evaluation is a span of its trace, outside the step's phase times."""
     every = run.cfg.eval.every
     if run.val is None or (not force and (every <= 0 or step % every)):
         return {}
-    accuracy, chance = evaluate(run)
+    span = timer.phase("evaluation", count=False) if timer is not None else contextlib.nullcontext()
+    with span:
+        accuracy, chance = evaluate(run)
     out = {"val_accuracy": accuracy, "val_skipped_samples": len(run.val.skipped) + run.val_malformed}
     if chance is not None:
         out["chance_accuracy"] = chance

@@ -181,15 +181,15 @@ class PhaseTimer:
         return self._clock()
 
     @contextmanager
-    def phase(self, name: str, stream: str = "main") -> Iterator[None]:
+    def phase(self, name: str, stream: str = "main", count: bool = True) -> Iterator[None]:
         """Time the body as phase ``name`` on the trace row ``stream`` (and mark it as the profiler range
-        ``rollplex/phase/<name>``)."""
+        ``rollplex/phase/<name>``); ``count`` as in ``record``."""
         start = self._now()
         try:
             with torch.profiler.record_function(f"rollplex/phase/{name}"):
                 yield
         finally:
-            self.record(name, start, self._now(), stream)
+            self.record(name, start, self._now(), stream, count)
 
     def now(self) -> float:
         """The clock after the timer's sync (for spans timed by their owner, see ``record``)."""
