@@ -45,6 +45,7 @@ from rollplex.models.forward import enable_checkpointing, prepare_model, suffix_
 from rollplex.models.positions import VisionTokens
 from rollplex.observe.metrics import (
     TRACE_FILE,
+    GcClock,
     MetricsWriter,
     PhaseTimer,
     ProgressBar,
@@ -423,28 +424,31 @@ def train(cfg: Config, resume: bool = False, overwrite: bool = False) -> Path:
     timer = PhaseTimer(sync=torch.cuda.synchronize if run.device.type == "cuda" else None)
     bar = ProgressBar(total=cfg.run.steps, initial=step, enabled=cfg.run.progress)
     record: dict = {}
-    while step < cfg.run.steps:
-        timer.step = step + 1  # the trace's spans carry the step metrics.jsonl numbers them by
-        record = _train_step(run, step, timer)
-        run.updates_skipped += record["skipped_updates"]
-        step += 1
-        record.update(_maybe_eval(run, step, force=step == cfg.run.steps, timer=timer))
-        metrics.write(record)
-        bar.update(record)
-        if not cfg.run.progress and (step % cfg.run.log_every == 0 or step == cfg.run.steps):
-            log.info(_log_line(record))
-        if _should_save(cfg, step):
-            with timer.phase("checkpoint", count=False):  # between steps: in the trace, not the step's times
-                save_checkpoint(
-                    run.run_dir,
-                    step,
-                    model=run.roles.actor,
-                    processor=run.processor,
-                    trainer_state=trainer_state(run, step),
-                    keep=cfg.run.keep_checkpoints,
-                )
-            # a killed run keeps its trace
-            write_chrome_trace(timer.spans, trace_path, earlier_trace, resume_step)
+    with GcClock() as collector:  # times the collector per step; see step_done
+        while step < cfg.run.steps:
+            timer.step = step + 1  # the trace's spans carry the step metrics.jsonl numbers them by
+            record = _train_step(run, step, timer, collector)
+            collector.step_done()  # after the first step, its long-lived heap out of later passes
+            run.updates_skipped += record["skipped_updates"]
+            step += 1
+            record.update(_maybe_eval(run, step, force=step == cfg.run.steps, timer=timer))
+            metrics.write(record)
+            bar.update(record)
+            if not cfg.run.progress and (step % cfg.run.log_every == 0 or step == cfg.run.steps):
+                log.info(_log_line(record))
+            if _should_save(cfg, step):
+                # between steps: in the trace, not the step's times
+                with timer.phase("checkpoint", count=False):
+                    save_checkpoint(
+                        run.run_dir,
+                        step,
+                        model=run.roles.actor,
+                        processor=run.processor,
+                        trainer_state=trainer_state(run, step),
+                        keep=cfg.run.keep_checkpoints,
+                    )
+                # a killed run keeps its trace
+                write_chrome_trace(timer.spans, trace_path, earlier_trace, resume_step)
     bar.close()  # the last step always saves a checkpoint, and with it the trace
     _summary(run, first_eval, record, time.perf_counter() - started)
     return run.run_dir
@@ -496,8 +500,9 @@ def _quiet_library_progress() -> None:
     hf_logging.disable_progress_bar()
 
 
-def _train_step(run: Run, step: int, timer) -> dict:
+def _train_step(run: Run, step: int, timer: PhaseTimer, collector: GcClock) -> dict:
     cfg = run.cfg
+    collector.pop()  # passes between steps (evaluation, checkpoints) are not the step's
     run.roles.optimizer.set_lr(learning_rate(step, cfg.optim.lr, cfg.optim.warmup_steps))
     if run.device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(run.device)
@@ -508,6 +513,7 @@ def _train_step(run: Run, step: int, timer) -> dict:
     record = {"step": step + 1, **step_metrics(scored, stats, norms), **schedule_metrics}
     record.update(timer.pop())
     record["time/step"] = time.perf_counter() - start
+    record.update(collector.pop())
     if record["skipped_updates"]:
         log.warning(
             "step %d: %d of %d updates skipped, their gradient norm not finite (the weights are as "

@@ -1,11 +1,12 @@
 """Profile one serial GRPO step of the ``rollplex bench schedule`` workload (3B architecture, 8 groups of
 3,920-token video prompts, N = 8, 512-token responses): the phase times of two warm-up steps and of the
-profiled one; a torch.profiler table of the profiled step's operators and kernels by device time; and
-where the device sat idle: every gap of at least 100 µs between device activities, each charged to the
-innermost ``rollplex/...`` profiler range (phase, prefix, suffix, vision) and the operators (and Python
-frames) that launched the work ending it, summed by launcher (``rollplex.observe.idle.gap_table``).
+profiled ones; a torch.profiler table of one step's operators and kernels by device time (written
+first); and, from a second step profiled with Python stacks, where the device sat idle: every gap of
+at least 100 µs between device activities, each charged to the innermost ``rollplex/...`` profiler
+range (phase, prefix, suffix, vision) and the operators (and Python frames) that launched the work
+ending it, summed by launcher (``rollplex.observe.idle.gap_table``).
 
-Usage (CUDA): python scripts/step_profile.py OUT_PREFIX     # writes OUT_PREFIX.gaps.txt, OUT_PREFIX.ops.txt
+Usage (CUDA): python scripts/step_profile.py OUT_PREFIX     # writes OUT_PREFIX.ops.txt, OUT_PREFIX.gaps.txt
 """
 
 from __future__ import annotations
@@ -31,18 +32,21 @@ def main(out: str) -> None:
     timer = PhaseTimer(sync=torch.cuda.synchronize)
     for i in range(2):  # compilation, graph capture, allocator growth
         _step(step, roles, work, timer, f"warm-up {i}")
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], with_stack=True) as prof:
-        _step(step, roles, work, timer, "profiled")
+    # Operators first and without Python stacks: a table over a stack-recorded step took minutes.
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        _step(step, roles, work, timer, "profiled (operators)")
         torch.cuda.synchronize()
-    events = prof.events()
-    gaps = gap_table(events)
+    ops = prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=60, max_name_column_width=90)
+    with open(out + ".ops.txt", "w") as f:
+        f.write(ops)
+    print(ops, flush=True)
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], with_stack=True) as prof:
+        _step(step, roles, work, timer, "profiled (idle gaps)")
+        torch.cuda.synchronize()
+    gaps = gap_table(prof.events())
     with open(out + ".gaps.txt", "w") as f:
         f.write(gaps + "\n")
     print(gaps, flush=True)
-    ops = prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=45, max_name_column_width=70)
-    with open(out + ".ops.txt", "w") as f:
-        f.write(ops)
-    print(ops)
 
 
 if __name__ == "__main__":

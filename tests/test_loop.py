@@ -3,6 +3,9 @@ counted, an unusable dataset stops with a clear error, and the run's artefacts a
 
 from __future__ import annotations
 
+import functools
+import gc
+import itertools
 import json
 import logging
 import shutil
@@ -73,8 +76,9 @@ def test_resume_is_bit_for_bit(assets, tmp_path):
     a, b = _weights(straight), _weights(split)
     assert a.keys() == b.keys()
     assert all(torch.equal(a[k], b[k]) for k in a)
-    ignore = lambda row: {k: v for k, v in row.items() if not k.startswith(("time/", "eq1/"))}  # noqa: E731
-    assert [ignore(r) for r in _metrics(straight)] == [ignore(r) for r in _metrics(split)]
+    from tests.schedule.test_same_update import untimed
+
+    assert [untimed(r) for r in _metrics(straight)] == [untimed(r) for r in _metrics(split)]
 
 
 def test_batched_vision_attention_trains_the_same(assets, tmp_path, monkeypatch):
@@ -315,10 +319,10 @@ def test_the_trace_outlives_a_killed_run_and_a_resume_continues_it(assets, tmp_p
     real = loop._train_step
 
     def killed_at(index):
-        def step(run, i, timer):
+        def step(run, i, *rest):
             if i == index:
                 raise KeyboardInterrupt
-            return real(run, i, timer)
+            return real(run, i, *rest)
 
         return step
 
@@ -335,6 +339,7 @@ def test_the_trace_outlives_a_killed_run_and_a_resume_continues_it(assets, tmp_p
         train(cfg)
     first = json.loads(path.read_text())
     assert len(rollouts(first)) == 2 and marks(first) == []
+    assert gc.get_freeze_count() == 0  # what the first step froze is unfrozen by the interruption too
     monkeypatch.setattr(loop, "_train_step", killed_at(5))  # resumes at step 2, saves at 4, dies in 6
     with pytest.raises(KeyboardInterrupt):
         train(cfg, resume=True)
@@ -367,6 +372,48 @@ def test_evaluation_and_checkpoints_are_in_the_trace_and_not_in_the_step_times(a
     events = [e for e in trace["traceEvents"] if e["ph"] == "X"]
     last_rollout = max(e["ts"] for e in events if e["name"] == "rollout")
     assert max(e["ts"] for e in events if e["name"] == "evaluation") > last_rollout  # after the last step
+
+
+def test_each_step_records_the_garbage_collector_passes_it_ran_and_not_those_between_steps(
+    assets, tmp_path, monkeypatch
+):
+    """``gc_s`` and ``gc_passes`` count the collector's passes inside the step only. Automatic passes
+    are off; each step forces one pass and each evaluation after a step two, and the fake clock makes
+    every pass last 1 s. The survivors of the first step are frozen out of later passes (``gc.freeze``)
+    from then until the run ends."""
+    import rollplex.loop as loop
+    from rollplex.observe.metrics import GcClock
+
+    ticks = itertools.count()
+    monkeypatch.setattr(loop, "GcClock", functools.partial(GcClock, clock=lambda: float(next(ticks))))
+    real_lr, real_eval = loop.learning_rate, loop._maybe_eval
+    frozen = []  # gc's permanent generation at each step's start
+
+    def learning_rate(*args):  # called inside the step
+        frozen.append(gc.get_freeze_count() > 0)
+        gc.collect()
+        return real_lr(*args)
+
+    monkeypatch.setattr(loop, "learning_rate", learning_rate)
+    monkeypatch.setattr(
+        loop, "_maybe_eval", lambda *a, **k: (gc.collect(), gc.collect(), real_eval(*a, **k))[2]
+    )
+    callbacks = list(gc.callbacks)
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        run_dir = train(_config(assets, tmp_path / "run", 3, **{"eval.every": 1}))
+    finally:
+        if was_enabled:
+            gc.enable()
+    rows = [row for row in _metrics(run_dir) if "gc_s" in row]
+    assert [(row["step"], row["gc_passes"], row["gc_s"]) for row in rows] == [
+        (1, 1, 1.0),
+        (2, 1, 1.0),
+        (3, 1, 1.0),
+    ]
+    assert gc.callbacks == callbacks  # the run took its callback out again
+    assert frozen == [False, True, True] and gc.get_freeze_count() == 0  # frozen after step 1, until the end
 
 
 def test_a_resume_from_an_older_checkpoint_traces_each_step_once(assets, tmp_path):

@@ -11,7 +11,10 @@ records them (schedule.eq1: T_D standalone decode, T_P prefix makespan, ΔD deco
 co-running, S measured saving, bound min(T_D, T_P), T_post), the gradient norm (``grad_norm``: the
 median step's largest norm before clipping; inf where an update was skipped), decode seconds per step
 and its ratio to the memory roofline (bench.decode), peak memory, the memory still allocated after each
-step (``allocated_gib_by_step``, warm-up steps included; growth is a leak), the caching allocator's retries (a
+step (``allocated_gib_by_step``, warm-up steps included; growth is a leak), the seconds Python's garbage
+collector ran in each step (``gc_s_by_step``, warm-up included; ``gc_s``, ``gc_passes`` and ``gc_full_passes``
+the timed steps' medians; also printed per iteration; the collector is tuned as in a training run,
+``observe.metrics.GcClock``), the caching allocator's retries (a
 cudaMalloc that failed, freed the cache and retried) and device frees over the row's iterations, the
 largest bf16 parameter difference from the baseline after the timed steps, the relative difference
 of the FP32 updates (``Updates``), and how many of the
@@ -48,7 +51,7 @@ from rollplex.bench.variants import BASELINES, MAIN_ROWS, ROW_ENV, ROWS
 from rollplex.config import load_config
 from rollplex.models.compiled import compile_fallback, compiled_scope, compiles_layers
 from rollplex.models.forward import enable_checkpointing, prepare_model, suffix_backend
-from rollplex.observe.metrics import PhaseTimer
+from rollplex.observe.metrics import GcClock, PhaseTimer
 from rollplex.optim import MasterWeightAdamW
 from rollplex.phases import Roles
 from rollplex.rollout.engine import SamplingParams
@@ -180,6 +183,12 @@ def _run_row(work: _Workload, name: str, cfg: ScheduleBenchConfig) -> tuple[dict
         return _timed_row(work, name, cfg)
 
 
+def _gc_text(spent: dict) -> str:
+    """The garbage collector's share of a step, as the iteration line prints it."""
+    full = spent["gc_full_passes"]
+    return f"garbage collector {spent['gc_s']:.3f} s in {spent['gc_passes']} passes, {full} full"
+
+
 def _timed_row(work: _Workload, name: str, cfg: ScheduleBenchConfig) -> tuple[dict, _Snapshot]:
     roles = work.roles(ROWS[name], cfg)
     suffix_backend(work.device, next(roles.actor.parameters()).dtype)  # the row's backend can run here
@@ -189,19 +198,24 @@ def _timed_row(work: _Workload, name: str, cfg: ScheduleBenchConfig) -> tuple[di
     if work.device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(work.device)
         torch.cuda.reset_accumulated_memory_stats(work.device)
-    warmup, trail, held = _warmup(step, cfg), [], []
-    for i in range(warmup + cfg.steps):
-        start = timer.now()
-        scored, stats, norms, extra = step(roles, work.prompts, timer)
-        end = timer.now()
-        trail.append(step_fingerprints(scored, stats, norms))  # after the step's clock: not timed
-        if work.device.type == "cuda":  # what outlives each step, warm-up included: growth is a leak
-            held.append(round(torch.cuda.memory_allocated(work.device) / 2**30, 3))
-        spent = {**timer.pop(), **extra, "grad_norm": _largest(norms)}
-        print(f"    {name} iteration {i}: {end - start:.3f} s", flush=True)
-        if i >= warmup:
-            times.append(end - start)
-            phases.append(spent)
+    warmup, trail, held, collected = _warmup(step, cfg), [], [], []
+    with GcClock() as collector:
+        for i in range(warmup + cfg.steps):
+            collector.pop()
+            start = timer.now()
+            scored, stats, norms, extra = step(roles, work.prompts, timer)
+            end = timer.now()
+            gc_spent = collector.pop()
+            trail.append(step_fingerprints(scored, stats, norms))  # after the step's clock: not timed
+            if work.device.type == "cuda":  # what outlives each step, warm-up included: growth is a leak
+                held.append(round(torch.cuda.memory_allocated(work.device) / 2**30, 3))
+            collected.append(round(gc_spent["gc_s"], 3))
+            spent = {**timer.pop(), **extra, **gc_spent, "grad_norm": _largest(norms)}
+            print(f"    {name} iteration {i}: {end - start:.3f} s ({_gc_text(gc_spent)})", flush=True)
+            if i >= warmup:
+                times.append(end - start)
+                phases.append(spent)
+            collector.step_done()  # as a training run does
     row = {
         "steps_taken": warmup + cfg.steps,
         "step_s_median": statistics.median(times),
@@ -211,6 +225,7 @@ def _timed_row(work: _Workload, name: str, cfg: ScheduleBenchConfig) -> tuple[di
             for key in sorted({k for p in phases for k in p})
         },
     }
+    row["gc_s_by_step"] = collected  # warm-up included
     if work.device.type == "cuda":
         row["peak_memory_gib"] = torch.cuda.max_memory_allocated(work.device) / 2**30
         row["allocated_gib_by_step"] = held

@@ -41,6 +41,7 @@ DIAGNOSTICS = (
     ("skipped_samples", "skipped samples"),
     ("peak_memory_gib", "peak memory (GiB)"),
     ("memory_allocated_gib", "allocated after the step (GiB)"),
+    ("gc_s", "garbage collector in the step (s)"),
     ("lr", "learning rate"),
     ("logprob_diff_max", "max |rollout - trainer log-prob|"),
 )

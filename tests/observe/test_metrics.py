@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import gc
 import io
 import json
+import weakref
 
 import pytest
 
 from rollplex.observe.metrics import (
+    GcClock,
     MetricsWriter,
     PhaseTimer,
     ProgressBar,
@@ -232,3 +235,55 @@ def test_a_resumed_trace_continues_the_earlier_one(tmp_path, caplog):
             assert read_chrome_trace(path) is None
         assert "the resumed run starts a new one" in caplog.text
         caplog.clear()
+
+
+def test_the_gc_clock_times_the_collectors_passes_while_entered():
+    """Each pass from its "start" to its "stop" callback, on the given clock; ``pop`` hands over and
+    resets; after ``__exit__`` the callback is gone and passes no longer count."""
+    ticks = iter([10.0, 10.5, 20.0, 20.25])
+    callbacks = list(gc.callbacks)
+    with GcClock(clock=lambda: next(ticks)) as collector:
+        gc.collect()
+        assert collector.pop() == {"gc_s": 0.5, "gc_passes": 1, "gc_full_passes": 1}
+        assert collector.pop() == {"gc_s": 0.0, "gc_passes": 0, "gc_full_passes": 0}
+        gc.collect(0)  # the youngest generation only: a pass, not a full one
+    assert gc.callbacks == callbacks
+    gc.collect()  # not counted: the clock has no tick left for it
+    assert collector.pop() == {"gc_s": 0.25, "gc_passes": 1, "gc_full_passes": 0}
+
+
+class _Node:
+    """An object that can sit in a reference cycle and be watched with a weak reference."""
+
+    other: _Node | None = None
+
+
+def _cycle() -> weakref.ref:
+    """A two-object reference cycle nothing else holds; a weak reference to one of them."""
+    a, b = _Node(), _Node()
+    a.other, b.other = b, a
+    return weakref.ref(a)
+
+
+def test_after_the_first_step_the_survivors_are_frozen_until_exit_and_garbage_is_not():
+    """``step_done`` after the first step: garbage of that step (a dead cycle) is collected, not frozen;
+    what is alive moves to the permanent generation, once; ``__exit__`` unfreezes it, so a cycle that
+    died meanwhile is collected by the next pass."""
+    assert gc.get_freeze_count() == 0
+    dead_before = _cycle()
+    with GcClock() as collector:
+        kept = _Node()
+        kept.other = kept  # alive, in a cycle, when the first step is done
+        collector.step_done()
+        assert dead_before() is None  # collected by the step's full pass, not frozen
+        frozen = gc.get_freeze_count()
+        assert frozen > 0 and collector.frozen
+        _cycle(), collector.step_done()
+        assert gc.get_freeze_count() == frozen  # later steps freeze nothing more
+        watch = weakref.ref(kept)
+        del kept
+        gc.collect()
+        assert watch() is not None  # frozen: its cycle is out of the collector's reach
+    assert gc.get_freeze_count() == 0 and not collector.frozen
+    gc.collect()
+    assert watch() is None

@@ -35,7 +35,7 @@ SCHEDULES = {
     },
     "auto": {"run.schedule": "auto"},
 }
-TIMING = ("time/", "eq1/", "schedule/")
+TIMING = ("time/", "eq1/", "schedule/", "gc_")  # "gc_": the garbage collector's time and passes
 
 
 def green_capable() -> bool:
