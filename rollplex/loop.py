@@ -424,11 +424,11 @@ def train(cfg: Config, resume: bool = False, overwrite: bool = False) -> Path:
     timer = PhaseTimer(sync=torch.cuda.synchronize if run.device.type == "cuda" else None)
     bar = ProgressBar(total=cfg.run.steps, initial=step, enabled=cfg.run.progress)
     record: dict = {}
-    with GcClock() as collector:  # times the collector per step; see step_done
+    with GcClock() as gc_clock:  # times the garbage collector per step; see step_done
         while step < cfg.run.steps:
             timer.step = step + 1  # the trace's spans carry the step metrics.jsonl numbers them by
-            record = _train_step(run, step, timer, collector)
-            collector.step_done()  # after the first step, its long-lived heap out of later passes
+            record = _train_step(run, step, timer, gc_clock)
+            gc_clock.step_done()  # after the first step, its long-lived heap out of later passes
             run.updates_skipped += record["skipped_updates"]
             step += 1
             record.update(_maybe_eval(run, step, force=step == cfg.run.steps, timer=timer))
@@ -439,6 +439,7 @@ def train(cfg: Config, resume: bool = False, overwrite: bool = False) -> Path:
             if _should_save(cfg, step):
                 # between steps: in the trace, not the step's times
                 with timer.phase("checkpoint", count=False):
+                    gc_clock.refreeze()  # a cycle that died among the frozen objects waits no longer
                     save_checkpoint(
                         run.run_dir,
                         step,
@@ -500,12 +501,12 @@ def _quiet_library_progress() -> None:
     hf_logging.disable_progress_bar()
 
 
-def _train_step(run: Run, step: int, timer: PhaseTimer, collector: GcClock) -> dict:
+def _train_step(run: Run, step: int, timer: PhaseTimer, gc_clock: GcClock) -> dict:
     cfg = run.cfg
-    collector.pop()  # passes between steps (evaluation, checkpoints) are not the step's
     run.roles.optimizer.set_lr(learning_rate(step, cfg.optim.lr, cfg.optim.warmup_steps))
     if run.device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(run.device)
+    gc_clock.pop()  # passes between steps (evaluation, checkpoints) are not the step's
     start = time.perf_counter()
     with timer.phase("data"):
         prompts = run.train.next_batch()
@@ -513,7 +514,7 @@ def _train_step(run: Run, step: int, timer: PhaseTimer, collector: GcClock) -> d
     record = {"step": step + 1, **step_metrics(scored, stats, norms), **schedule_metrics}
     record.update(timer.pop())
     record["time/step"] = time.perf_counter() - start
-    record.update(collector.pop())
+    record.update(gc_clock.pop())
     if record["skipped_updates"]:
         log.warning(
             "step %d: %d of %d updates skipped, their gradient norm not finite (the weights are as "

@@ -4,14 +4,14 @@ synchronising call counted by the innermost ``rollplex`` and transformers frames
 plain steps, then one step under cProfile (functions by own time and by cumulative time). Every step
 prints its wall time, its phase times, the
 allocator's device allocations and frees, the decode step's construction and capture times, and the
-garbage collector's passes and time.
+garbage collector's passes and time (``observe.metrics.GcClock``, which freezes the first step's survivors
+out of later passes as a training run does).
 
 Usage (CUDA): python scripts/host_probe.py OUT_PREFIX   # writes OUT_PREFIX.syncs.txt, OUT_PREFIX.cprofile.txt
 """
 
 from __future__ import annotations
 
-import gc
 import time
 import traceback
 import warnings
@@ -21,7 +21,7 @@ import torch
 
 from rollplex.bench.common import cprofile_report, cuda_script_out_prefix
 from rollplex.bench.schedule import default_row
-from rollplex.observe.metrics import PhaseTimer
+from rollplex.observe.metrics import GcClock, PhaseTimer
 
 
 def _where() -> str:
@@ -74,29 +74,19 @@ def _time_decoder_setup() -> dict[str, list[float]]:
     return times
 
 
-def _time_gc() -> dict[str, float]:
-    """Wall seconds and count of the garbage collector's passes (``gc.callbacks``), reset by the caller."""
-    totals = {"gc_s": 0.0, "gc_passes": 0, "_start": 0.0}
-
-    def callback(phase, info):
-        if phase == "start":
-            totals["_start"] = time.perf_counter()
-        else:
-            totals["gc_s"] += time.perf_counter() - totals["_start"]
-            totals["gc_passes"] += 1
-
-    gc.callbacks.append(callback)
-    return totals
-
-
 def main(out: str) -> None:
+    with GcClock() as gc_clock:  # the collector timed, and tuned, as in a training run
+        _probe(out, gc_clock)
+
+
+def _probe(out: str, gc_clock: GcClock) -> None:
     work, roles, step = default_row("serial", torch.device("cuda"))
     timer = PhaseTimer(sync=torch.cuda.synchronize)
 
     setup = _time_decoder_setup()
-    collector = _time_gc()
 
     def run(label: str) -> None:
+        gc_clock.pop()
         stats = torch.cuda.memory_stats()
         start = timer.now()
         step(roles, work.prompts, timer)
@@ -108,9 +98,9 @@ def main(out: str) -> None:
             for k in ("num_device_alloc", "num_device_free", "num_alloc_retries")
         }
         decoder = {k: [round(t, 3) for t in v] for k, v in setup.items()}
-        collected = {"gc_s": round(collector["gc_s"], 3), "gc_passes": collector["gc_passes"]}
+        collected = {k: round(v, 3) for k, v in gc_clock.pop().items()}
         print(label, round(timer.now() - start, 3), "s", phases, allocs, decoder, collected, flush=True)
-        collector.update(gc_s=0.0, gc_passes=0)
+        gc_clock.step_done()
         for v in setup.values():
             v.clear()
 

@@ -380,21 +380,24 @@ def test_each_step_records_the_garbage_collector_passes_it_ran_and_not_those_bet
     """``gc_s`` and ``gc_passes`` count the collector's passes inside the step only. Automatic passes
     are off; each step forces one pass and each evaluation after a step two, and the fake clock makes
     every pass last 1 s. The survivors of the first step are frozen out of later passes (``gc.freeze``)
-    from then until the run ends."""
+    from then until the run ends, and refrozen at each checkpoint (whose passes are not a step's
+    either)."""
     import rollplex.loop as loop
     from rollplex.observe.metrics import GcClock
 
     ticks = itertools.count()
     monkeypatch.setattr(loop, "GcClock", functools.partial(GcClock, clock=lambda: float(next(ticks))))
-    real_lr, real_eval = loop.learning_rate, loop._maybe_eval
-    frozen = []  # gc's permanent generation at each step's start
+    real_metrics, real_eval = loop.step_metrics, loop._maybe_eval
+    frozen = []  # whether gc's permanent generation held anything, in each step
 
-    def learning_rate(*args):  # called inside the step
+    def step_metrics(*args):  # called inside the step's timed part
         frozen.append(gc.get_freeze_count() > 0)
         gc.collect()
-        return real_lr(*args)
+        return real_metrics(*args)
 
-    monkeypatch.setattr(loop, "learning_rate", learning_rate)
+    monkeypatch.setattr(loop, "step_metrics", step_metrics)
+    refrozen, real_refreeze = [], GcClock.refreeze
+    monkeypatch.setattr(GcClock, "refreeze", lambda self: (refrozen.append(1), real_refreeze(self))[1])
     monkeypatch.setattr(
         loop, "_maybe_eval", lambda *a, **k: (gc.collect(), gc.collect(), real_eval(*a, **k))[2]
     )
@@ -402,18 +405,19 @@ def test_each_step_records_the_garbage_collector_passes_it_ran_and_not_those_bet
     was_enabled = gc.isenabled()
     gc.disable()
     try:
-        run_dir = train(_config(assets, tmp_path / "run", 3, **{"eval.every": 1}))
+        run_dir = train(_config(assets, tmp_path / "run", 3, **{"eval.every": 1, "run.save_every": 1}))
     finally:
         if was_enabled:
             gc.enable()
     rows = [row for row in _metrics(run_dir) if "gc_s" in row]
-    assert [(row["step"], row["gc_passes"], row["gc_s"]) for row in rows] == [
-        (1, 1, 1.0),
-        (2, 1, 1.0),
-        (3, 1, 1.0),
+    assert [(row["step"], row["gc_passes"], row["gc_full_passes"], row["gc_s"]) for row in rows] == [
+        (1, 1, 1, 1.0),
+        (2, 1, 1, 1.0),
+        (3, 1, 1, 1.0),
     ]
     assert gc.callbacks == callbacks  # the run took its callback out again
     assert frozen == [False, True, True] and gc.get_freeze_count() == 0  # frozen after step 1, until the end
+    assert len(refrozen) == 3  # at each checkpoint, between steps
 
 
 def test_a_resume_from_an_older_checkpoint_traces_each_step_once(assets, tmp_path):

@@ -199,13 +199,13 @@ def _timed_row(work: _Workload, name: str, cfg: ScheduleBenchConfig) -> tuple[di
         torch.cuda.reset_peak_memory_stats(work.device)
         torch.cuda.reset_accumulated_memory_stats(work.device)
     warmup, trail, held, collected = _warmup(step, cfg), [], [], []
-    with GcClock() as collector:
+    with GcClock() as gc_clock:
         for i in range(warmup + cfg.steps):
-            collector.pop()
+            gc_clock.pop()
             start = timer.now()
             scored, stats, norms, extra = step(roles, work.prompts, timer)
             end = timer.now()
-            gc_spent = collector.pop()
+            gc_spent = gc_clock.pop()
             trail.append(step_fingerprints(scored, stats, norms))  # after the step's clock: not timed
             if work.device.type == "cuda":  # what outlives each step, warm-up included: growth is a leak
                 held.append(round(torch.cuda.memory_allocated(work.device) / 2**30, 3))
@@ -215,7 +215,7 @@ def _timed_row(work: _Workload, name: str, cfg: ScheduleBenchConfig) -> tuple[di
             if i >= warmup:
                 times.append(end - start)
                 phases.append(spent)
-            collector.step_done()  # as a training run does
+            gc_clock.step_done()  # as a training run does
     row = {
         "steps_taken": warmup + cfg.steps,
         "step_s_median": statistics.median(times),

@@ -218,65 +218,86 @@ class GcClock:
     tunes it: the seconds and passes of each step (``gc.callbacks``, read with ``pop``), and the
     long-lived heap kept out of later passes once the first step has built it (``step_done``).
 
-    A pass over the oldest generation visits every object the process holds (the models, transformers'
-    modules, torch.compile's caches); on one H200 such a pass took 0.65-0.70 s inside a 3B GRPO step
-    of 8.7 s, once in six to ten steps, which is step time where the host is on the critical path.
-    After the first step (which compiles and captures), ``step_done`` runs one full pass and then
-    ``gc.freeze()``: what is alive then moves to the permanent generation, which later passes skip.
-    Those objects are still freed by reference counting; only a reference cycle among them would be
-    kept until ``__exit__``, which unfreezes them (``gc.unfreeze()``) so that the next collection
-    frees whatever of them has died (a benchmark row's models, say). The collector runs in whichever
-    thread allocates, the worker thread included; passes do not overlap (they hold the GIL).
+    A pass over the oldest generation (CPython 3.12, as measured) visits every object the process
+    holds: the models, transformers' modules, torch.compile's caches. On one H200 such a pass took
+    0.65-0.70 s inside a 3B GRPO step of 8.7 s (one in each of two rows of 6 and 10 steps), which is
+    step time where the host is on the critical path. After the first step (which compiles and
+    captures), ``step_done`` runs one full pass and then ``gc.freeze()``: what is alive then moves
+    to the permanent generation, which later passes skip. Those objects are still freed by reference
+    counting, but a reference cycle that includes one of them, and everything the cycle references,
+    is kept until the heap is unfrozen: at ``refreeze`` (the training loop calls it at each
+    checkpoint, outside the step times) and at ``__exit__``, after which the next pass frees what has
+    died (a benchmark row's models, say). Where the process had frozen objects before ``__enter__``
+    (someone else's freeze), this clock freezes nothing and unfreezes nothing. The collector runs in
+    whichever thread allocates, the worker thread included; passes do not overlap (they hold the GIL).
 
     Args:
         clock: seconds counter (``time.perf_counter``; tests pass a fake).
 
     Example:
-        with GcClock() as collector:
+        with GcClock() as gc_clock:
             ...  # a step
-            collector.pop()  # {"gc_s": 0.02, "gc_passes": 104, "gc_full_passes": 0}
-            collector.step_done()
+            gc_clock.pop()  # {"gc_s": 0.02, "gc_passes": 104, "gc_full_passes": 0}
+            gc_clock.step_done()
     """
 
     def __init__(self, clock: Callable[[], float] = time.perf_counter):
         self._clock = clock
         self._start: float | None = None
-        self.seconds, self.passes, self.full_passes = 0.0, 0, 0
+        self._done: list[tuple[float, bool]] = []  # (seconds, full) per pass since the last pop
         self.frozen = False
+        self._may_freeze = False
 
     def __enter__(self) -> GcClock:
+        self._may_freeze = gc.get_freeze_count() == 0
         gc.callbacks.append(self._on_gc)
         return self
 
     def __exit__(self, *exc) -> None:
-        gc.callbacks.remove(self._on_gc)
-        if self.frozen:
-            gc.unfreeze()
-            self.frozen = False
+        try:
+            self._unfreeze()
+        finally:
+            gc.callbacks.remove(self._on_gc)
 
     def _on_gc(self, phase: str, info: dict) -> None:
         if phase == "start":
             self._start = self._clock()
         elif self._start is not None:  # "stop" of a pass whose start this clock saw
-            self.seconds += self._clock() - self._start
-            self.passes += 1
-            self.full_passes += info["generation"] == 2
+            self._done.append((self._clock() - self._start, info["generation"] == 2))
             self._start = None
 
-    def pop(self) -> dict[str, float]:
+    def pop(self) -> dict[str, float | int]:
         """``{"gc_s": seconds, "gc_passes": passes, "gc_full_passes": passes over the oldest generation}``
-        since the last pop (or ``__enter__``); then reset."""
-        out = {"gc_s": self.seconds, "gc_passes": self.passes, "gc_full_passes": self.full_passes}
-        self.seconds, self.passes, self.full_passes = 0.0, 0, 0
-        return out
+        since the last pop (or ``__enter__``); then reset. A pass that ends while this runs lands in
+        this pop or the next, never in neither."""
+        done, self._done = self._done, []
+        return {
+            "gc_s": sum(seconds for seconds, _ in done),
+            "gc_passes": len(done),
+            "gc_full_passes": sum(full for _, full in done),
+        }
 
     def step_done(self) -> None:
         """Call between steps. After the first: one full pass, then the survivors frozen out of later
         passes (see the class). A no-op after later steps."""
-        if not self.frozen:
+        if self._may_freeze and not self.frozen:
             gc.collect()
+            self.frozen = True  # before the freeze: an interrupt after it still finds it undone
             gc.freeze()
+
+    def refreeze(self) -> None:
+        """Between steps, once frozen: unfreeze, one full pass (which frees any cycle that died among the
+        frozen objects), and freeze again. A no-op before the first ``step_done``."""
+        if self.frozen:
+            self._unfreeze()
+            gc.collect()
             self.frozen = True
+            gc.freeze()
+
+    def _unfreeze(self) -> None:
+        if self.frozen:
+            gc.unfreeze()
+            self.frozen = False
 
 
 def profiled(name: str) -> Callable[[Callable], Callable]:

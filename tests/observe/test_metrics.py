@@ -237,19 +237,31 @@ def test_a_resumed_trace_continues_the_earlier_one(tmp_path, caplog):
         caplog.clear()
 
 
-def test_the_gc_clock_times_the_collectors_passes_while_entered():
+@pytest.fixture
+def no_automatic_gc():
+    """Python's automatic collection off for the test, so that only its own passes run."""
+    enabled = gc.isenabled()
+    gc.disable()
+    yield
+    if enabled:
+        gc.enable()
+
+
+def test_the_gc_clock_times_the_collectors_passes_while_entered(no_automatic_gc):
     """Each pass from its "start" to its "stop" callback, on the given clock; ``pop`` hands over and
-    resets; after ``__exit__`` the callback is gone and passes no longer count."""
+    resets; after ``__exit__`` the callback is gone and passes no longer reach the clock."""
     ticks = iter([10.0, 10.5, 20.0, 20.25])
+    read = []
     callbacks = list(gc.callbacks)
-    with GcClock(clock=lambda: next(ticks)) as collector:
+    with GcClock(clock=lambda: read.append(1) or next(ticks)) as gc_clock:
         gc.collect()
-        assert collector.pop() == {"gc_s": 0.5, "gc_passes": 1, "gc_full_passes": 1}
-        assert collector.pop() == {"gc_s": 0.0, "gc_passes": 0, "gc_full_passes": 0}
+        assert gc_clock.pop() == {"gc_s": 0.5, "gc_passes": 1, "gc_full_passes": 1}
+        assert gc_clock.pop() == {"gc_s": 0.0, "gc_passes": 0, "gc_full_passes": 0}
         gc.collect(0)  # the youngest generation only: a pass, not a full one
     assert gc.callbacks == callbacks
-    gc.collect()  # not counted: the clock has no tick left for it
-    assert collector.pop() == {"gc_s": 0.25, "gc_passes": 1, "gc_full_passes": 0}
+    gc.collect()
+    assert len(read) == 4  # the last pass did not read the clock
+    assert gc_clock.pop() == {"gc_s": 0.25, "gc_passes": 1, "gc_full_passes": 0}
 
 
 class _Node:
@@ -265,25 +277,67 @@ def _cycle() -> weakref.ref:
     return weakref.ref(a)
 
 
-def test_after_the_first_step_the_survivors_are_frozen_until_exit_and_garbage_is_not():
+def _kept_cycle() -> _Node:
+    """An object in a reference cycle with itself, kept by the caller."""
+    node = _Node()
+    node.other = node
+    return node
+
+
+def test_after_the_first_step_the_survivors_are_frozen_until_exit_and_garbage_is_not(no_automatic_gc):
     """``step_done`` after the first step: garbage of that step (a dead cycle) is collected, not frozen;
-    what is alive moves to the permanent generation, once; ``__exit__`` unfreezes it, so a cycle that
-    died meanwhile is collected by the next pass."""
+    what is alive moves to the permanent generation, once (what a later step leaves is not frozen);
+    ``__exit__`` unfreezes it, so a cycle that died meanwhile is collected by the next pass."""
     assert gc.get_freeze_count() == 0
     dead_before = _cycle()
-    with GcClock() as collector:
-        kept = _Node()
-        kept.other = kept  # alive, in a cycle, when the first step is done
-        collector.step_done()
+    with GcClock() as gc_clock:
+        kept = _kept_cycle()  # alive when the first step is done
+        gc_clock.step_done()
         assert dead_before() is None  # collected by the step's full pass, not frozen
         frozen = gc.get_freeze_count()
-        assert frozen > 0 and collector.frozen
-        _cycle(), collector.step_done()
-        assert gc.get_freeze_count() == frozen  # later steps freeze nothing more
+        assert frozen > 0 and gc_clock.frozen
+        later = _kept_cycle()  # alive when the second step is done
+        gc_clock.step_done()
+        assert gc.get_freeze_count() == frozen
+        watch_later = weakref.ref(later)
+        del later
+        gc.collect()
+        assert watch_later() is None  # not frozen: collected while still entered
         watch = weakref.ref(kept)
         del kept
         gc.collect()
         assert watch() is not None  # frozen: its cycle is out of the collector's reach
-    assert gc.get_freeze_count() == 0 and not collector.frozen
+    assert gc.get_freeze_count() == 0 and not gc_clock.frozen
     gc.collect()
     assert watch() is None
+
+
+def test_refreeze_frees_a_cycle_that_died_among_the_frozen_objects(no_automatic_gc):
+    """``refreeze`` (the loop's, at each checkpoint): a frozen cycle that has died is collected, and the
+    survivors are frozen again; before the first ``step_done`` it does nothing."""
+    with GcClock() as gc_clock:
+        gc_clock.refreeze()
+        assert gc.get_freeze_count() == 0
+        kept = _kept_cycle()
+        gc_clock.step_done()
+        watch = weakref.ref(kept)
+        del kept
+        gc_clock.refreeze()
+        assert watch() is None and gc.get_freeze_count() > 0 and gc_clock.frozen
+    assert gc.get_freeze_count() == 0
+
+
+def test_a_process_that_froze_its_heap_itself_keeps_it_frozen(no_automatic_gc):
+    """Objects frozen before ``__enter__`` are someone else's: the clock neither freezes more nor
+    unfreezes them."""
+    gc.freeze()
+    try:
+        theirs = gc.get_freeze_count()
+        with GcClock() as gc_clock:
+            _kept = _kept_cycle()
+            gc_clock.step_done()
+            gc_clock.refreeze()
+            assert gc.get_freeze_count() == theirs and not gc_clock.frozen
+        assert gc.get_freeze_count() == theirs
+    finally:
+        gc.unfreeze()
