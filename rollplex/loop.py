@@ -428,9 +428,9 @@ def train(cfg: Config, resume: bool = False, overwrite: bool = False) -> Path:
         while step < cfg.run.steps:
             timer.step = step + 1  # the trace's spans carry the step metrics.jsonl numbers them by
             record = _train_step(run, step, timer, gc_clock)
-            gc_clock.step_done()  # after the first step, its long-lived heap out of later passes
             run.updates_skipped += record["skipped_updates"]
             step += 1
+            gc_clock.step_done(cfg.run.steps - step)  # the long-lived heap out of later passes
             record.update(_maybe_eval(run, step, force=step == cfg.run.steps, timer=timer))
             metrics.write(record)
             bar.update(record)
@@ -439,7 +439,8 @@ def train(cfg: Config, resume: bool = False, overwrite: bool = False) -> Path:
             if _should_save(cfg, step):
                 # between steps: in the trace, not the step's times
                 with timer.phase("checkpoint", count=False):
-                    gc_clock.refreeze()  # a cycle that died among the frozen objects waits no longer
+                    # a cycle that died among the frozen objects waits no longer
+                    gc_clock.refreeze(cfg.run.steps - step)
                     save_checkpoint(
                         run.run_dir,
                         step,

@@ -385,6 +385,7 @@ def test_each_step_records_the_garbage_collector_passes_it_ran_and_not_those_bet
     import rollplex.loop as loop
     from rollplex.observe.metrics import GcClock
 
+    monkeypatch.setattr("rollplex.observe.metrics.FREEZE_MIN_STEPS_LEFT", 0)  # a 3-step run freezes too
     ticks = itertools.count()
     monkeypatch.setattr(loop, "GcClock", functools.partial(GcClock, clock=lambda: float(next(ticks))))
     real_metrics, real_eval = loop.step_metrics, loop._maybe_eval
@@ -397,7 +398,9 @@ def test_each_step_records_the_garbage_collector_passes_it_ran_and_not_those_bet
 
     monkeypatch.setattr(loop, "step_metrics", step_metrics)
     refrozen, real_refreeze = [], GcClock.refreeze
-    monkeypatch.setattr(GcClock, "refreeze", lambda self: (refrozen.append(1), real_refreeze(self))[1])
+    monkeypatch.setattr(
+        GcClock, "refreeze", lambda self, *a: (refrozen.append(a), real_refreeze(self, *a))[1]
+    )
     monkeypatch.setattr(
         loop, "_maybe_eval", lambda *a, **k: (gc.collect(), gc.collect(), real_eval(*a, **k))[2]
     )
@@ -417,7 +420,7 @@ def test_each_step_records_the_garbage_collector_passes_it_ran_and_not_those_bet
     ]
     assert gc.callbacks == callbacks  # the run took its callback out again
     assert frozen == [False, True, True] and gc.get_freeze_count() == 0  # frozen after step 1, until the end
-    assert len(refrozen) == 3  # at each checkpoint, between steps
+    assert refrozen == [(2,), (1,), (0,)]  # at each checkpoint, between steps, with the steps left
 
 
 def test_a_resume_from_an_older_checkpoint_traces_each_step_once(assets, tmp_path):

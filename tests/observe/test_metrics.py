@@ -341,3 +341,26 @@ def test_a_process_that_froze_its_heap_itself_keeps_it_frozen(no_automatic_gc):
         assert gc.get_freeze_count() == theirs
     finally:
         gc.unfreeze()
+
+
+def test_a_run_about_to_end_freezes_nothing(no_automatic_gc):
+    """Fewer steps left than ``FREEZE_MIN_STEPS_LEFT``: no full pass is likely to come, so neither
+    ``step_done`` nor ``refreeze`` runs one; with enough left, or with no count (a long run), they do."""
+    from rollplex.observe.metrics import FREEZE_MIN_STEPS_LEFT
+
+    passes = []
+    with GcClock() as gc_clock:
+        gc.callbacks.append(
+            lambda phase, info: passes.append(info["generation"]) if phase == "stop" else None
+        )
+        try:
+            gc_clock.step_done(FREEZE_MIN_STEPS_LEFT - 1)
+            assert not gc_clock.frozen and passes == []
+            gc_clock.step_done(FREEZE_MIN_STEPS_LEFT)
+            assert gc_clock.frozen and passes == [2]
+            gc_clock.refreeze(FREEZE_MIN_STEPS_LEFT - 1)
+            assert passes == [2]
+            gc_clock.refreeze()
+            assert gc_clock.frozen and passes == [2, 2]
+        finally:
+            gc.callbacks.pop()
