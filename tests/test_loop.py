@@ -317,10 +317,12 @@ def test_the_trace_outlives_a_killed_run_and_a_resume_continues_it(assets, tmp_p
     import rollplex.loop as loop
 
     real = loop._train_step
+    monkeypatch.setattr("rollplex.observe.metrics.FREEZE_MIN_STEPS_LEFT", 0)  # these short runs freeze too
 
     def killed_at(index):
         def step(run, i, *rest):
             if i == index:
+                assert gc.get_freeze_count() > 0  # so that the run's end has something to unfreeze
                 raise KeyboardInterrupt
             return real(run, i, *rest)
 
@@ -397,6 +399,8 @@ def test_each_step_records_the_garbage_collector_passes_it_ran_and_not_those_bet
         return real_metrics(*args)
 
     monkeypatch.setattr(loop, "step_metrics", step_metrics)
+    done, real_done = [], GcClock.step_done
+    monkeypatch.setattr(GcClock, "step_done", lambda self, *a: (done.append(a), real_done(self, *a))[1])
     refrozen, real_refreeze = [], GcClock.refreeze
     monkeypatch.setattr(
         GcClock, "refreeze", lambda self, *a: (refrozen.append(a), real_refreeze(self, *a))[1]
@@ -421,6 +425,7 @@ def test_each_step_records_the_garbage_collector_passes_it_ran_and_not_those_bet
     assert gc.callbacks == callbacks  # the run took its callback out again
     assert frozen == [False, True, True] and gc.get_freeze_count() == 0  # frozen after step 1, until the end
     assert refrozen == [(2,), (1,), (0,)]  # at each checkpoint, between steps, with the steps left
+    assert done == [(2,), (1,), (0,)]  # after each step, with the steps left
 
 
 def test_a_resume_from_an_older_checkpoint_traces_each_step_once(assets, tmp_path):

@@ -29,6 +29,7 @@ thread row per stream label; open it in Perfetto or chrome://tracing.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import gc
 import json
@@ -231,14 +232,18 @@ class GcClock:
     holds: the models, transformers' modules, torch.compile's caches. On one H200 such a pass took
     0.65-0.70 s inside a 3B GRPO step of 8.7 s (one in each of two rows of 6 and 10 steps), which is
     step time where the host is on the critical path. After the first step (which compiles and
-    captures), ``step_done`` runs one full pass and then ``gc.freeze()``: what is alive then moves
-    to the permanent generation, which later passes skip. Those objects are still freed by reference
-    counting, but a reference cycle that includes one of them, and everything the cycle references,
-    is kept until the heap is unfrozen: at ``refreeze`` (the training loop calls it at each
-    checkpoint, outside the step times) and at ``__exit__``, after which the next pass frees what has
-    died (a benchmark row's models, say). Where the process had frozen objects before ``__enter__``
-    (someone else's freeze), this clock freezes nothing and unfreezes nothing. The collector runs in
-    whichever thread allocates, the worker thread included; passes do not overlap (they hold the GIL).
+    captures), unless fewer than ``FREEZE_MIN_STEPS_LEFT`` steps are left, ``step_done`` runs one
+    full pass and then ``gc.freeze()``: what is alive then moves to the permanent generation, which
+    later passes skip. Those objects are still freed by reference counting, but a reference cycle
+    that includes one of them, and everything the cycle references, is kept until the heap is
+    unfrozen: at ``refreeze`` (the training loop calls it at each checkpoint with at least
+    ``FREEZE_MIN_STEPS_LEFT`` steps after it, outside the step times; a pass over the whole heap each,
+    so a checkpoint every step costs one such pass per step) and at ``__exit__``, after which the
+    next pass frees what has died (a benchmark row's models, say). Where the process had frozen
+    objects before ``__enter__`` (someone else's freeze), this clock freezes nothing and unfreezes
+    nothing; someone else's freeze after ``__enter__`` is not told apart and is unfrozen with the
+    clock's. The collector runs in whichever thread allocates, the worker thread included; passes do
+    not overlap (they hold the GIL).
 
     Args:
         clock: seconds counter (``time.perf_counter``; tests pass a fake).
@@ -266,13 +271,15 @@ class GcClock:
         try:
             self._unfreeze()
         finally:
-            gc.callbacks.remove(self._on_gc)
+            with contextlib.suppress(ValueError):  # taken out elsewhere: not worth hiding an error for
+                gc.callbacks.remove(self._on_gc)
 
     def _on_gc(self, phase: str, info: dict) -> None:
         if phase == "start":
             self._start = self._clock()
         elif self._start is not None:  # "stop" of a pass whose start this clock saw
-            self._done.append((self._clock() - self._start, info["generation"] == 2))
+            entry = (self._clock() - self._start, info["generation"] == 2)
+            self._done.append(entry)  # no thread switch between reading the list and appending
             self._start = None
 
     def pop(self) -> dict[str, float | int]:
@@ -281,7 +288,7 @@ class GcClock:
         this pop or the next, never in neither."""
         done, self._done = self._done, []
         return {
-            "gc_s": sum(seconds for seconds, _ in done),
+            "gc_s": sum((seconds for seconds, _ in done), 0.0),
             "gc_passes": len(done),
             "gc_full_passes": sum(full for _, full in done),
         }
@@ -289,8 +296,9 @@ class GcClock:
     def step_done(self, steps_left: int | None = None) -> None:
         """Call between steps. After the first: one full pass, then the survivors frozen out of later
         passes (see the class). A no-op after later steps, and where ``steps_left`` (the steps still to
-        run; None: a long run) is under ``FREEZE_MIN_STEPS_LEFT``: no pass over the whole heap is
-        likely to come, so the full pass would cost more than it saves."""
+        run; None: a long run) is under ``FREEZE_MIN_STEPS_LEFT``: fewer than one pass over the whole
+        heap is expected before the end, so the full pass before freezing would cost about what it
+        saves."""
         if _worth_freezing(steps_left) and self._may_freeze and not self.frozen:
             gc.collect()
             self.frozen = True  # before the freeze: an interrupt after it still finds it undone
