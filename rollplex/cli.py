@@ -24,6 +24,8 @@ import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
+from rollplex import __version__
+
 PRESETS = ("tiny", "qwen2.5-vl-3b", "qwen2.5-vl-7b", "qwen2.5-vl-32b")
 
 
@@ -346,9 +348,24 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
 
 
 def _add_train(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("train", help="run GRPO training", description="Run GRPO training.")
+    p = sub.add_parser(
+        "train",
+        help="run GRPO training",
+        description=(
+            "Run GRPO training. With no config file it runs the embedded default job: a tiny "
+            "Qwen2.5-VL trained from scratch on synthetic videos, whose model and data are written "
+            "once into $ROLLPLEX_CACHE (default ~/.cache/rollplex); key=value overrides apply to it "
+            "too (e.g. rollplex train run.steps=50). The run folder is run.out_dir (runs/default for the "
+            "default job)."
+        ),
+        epilog="examples: rollplex train | rollplex train configs/h200-3b-video.yaml model.path=... | "
+        "rollplex train --resume",
+    )
     p.add_argument(
-        "items", nargs="*", metavar="[CONFIG.yaml] [key=value]", help="config file, then overrides"
+        "items",
+        nargs="*",
+        metavar="ITEM",
+        help="an optional config file (CONFIG.yaml) first, then key=value overrides",
     )
     start = p.add_mutually_exclusive_group()
     start.add_argument(
@@ -417,6 +434,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="rollplex", description="Synchronous on-policy GRPO post-training of Qwen2.5-VL models."
     )
+    parser.add_argument("--version", action="version", version=f"rollplex {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     for add in (_add_train, _add_data, _add_model, _add_report, _add_bench):
         add(sub)

@@ -564,8 +564,14 @@ def _should_save(cfg: Config, step: int) -> bool:
     return step == cfg.run.steps or (every > 0 and step % every == 0)
 
 
+def duration_text(seconds: float) -> str:
+    """A wall-clock duration as the run's last line gives it: seconds under a minute ("42 s"), else
+    minutes to a tenth ("1.4 min")."""
+    return f"{seconds:.0f} s" if seconds < 59.5 else f"{seconds / 60:.1f} min"
+
+
 def _summary(run: Run, first: dict, last: dict, seconds: float) -> None:
-    parts = [f"run folder {run.run_dir}", f"{seconds / 60:.1f} min from model load to last save"]
+    parts = [f"run folder {run.run_dir}", f"{duration_text(seconds)} from model load to last save"]
     if "val_accuracy" in first and "val_accuracy" in last:
         parts.append(f"held-out accuracy {first['val_accuracy']:.3f} -> {last['val_accuracy']:.3f}")
     elif "val_accuracy" in last:

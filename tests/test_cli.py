@@ -226,6 +226,21 @@ def test_help_is_lazy_and_module_entry_point_works(tmp_path):
     assert result.stderr == "rollplex: error: rollout.top_p=2.0 must be <= 1\n"
 
 
+def test_version_and_the_train_help_name_the_default_job(capsys):
+    """``--version`` prints the package's version; ``train --help`` says what runs without a config
+    file and where its model and data go."""
+    from rollplex import __version__
+    from rollplex.cli import main
+
+    with pytest.raises(SystemExit) as exit_:
+        main(["--version"])
+    assert exit_.value.code == 0 and capsys.readouterr().out == f"rollplex {__version__}\n"
+    with pytest.raises(SystemExit):
+        main(["train", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "embedded default job" in text and "$ROLLPLEX_CACHE" in text and "runs/default" in text
+
+
 def test_overrides_may_follow_resume(monkeypatch, tmp_path):
     """`rollplex train CONFIG --resume key=value` keeps the override (options may come first)."""
     calls = []

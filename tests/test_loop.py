@@ -18,7 +18,7 @@ from safetensors.torch import load_file
 from rollplex.config import load_config
 from rollplex.data.records import DatasetError
 from rollplex.data.synth import generate_dataset
-from rollplex.loop import build_run, step_memory, train
+from rollplex.loop import build_run, duration_text, step_memory, train
 from rollplex.models.compiled import compiled_scope, layers_compiled
 from rollplex.models.presets import init_checkpoint
 
@@ -564,3 +564,13 @@ def test_b05_a_run_bans_every_vision_special_id_of_its_checkpoint(assets, tmp_pa
     run = build_run(_config(assets, tmp_path / "run", 1))
     want = sorted(vision_special_ids(run.roles.actor.config))
     assert len(want) == 5 and run.roles.sampling.banned_ids.tolist() == want
+
+
+def test_the_last_line_gives_short_runs_in_seconds_and_longer_ones_in_minutes():
+    assert [duration_text(s) for s in (3.2, 59.4, 59.6, 84.0, 3600.0)] == [
+        "3 s",
+        "59 s",
+        "1.0 min",
+        "1.4 min",
+        "60.0 min",
+    ]
