@@ -85,7 +85,8 @@ class RunConfig:
         "phase schedule of one iteration: serial (phases one after another), rollplex (reference and "
         "actor prefixes computed before the responses exist, during decode, and kept for their "
         "suffixes) or auto (rollplex with prefill fusion; the first steps try each co-running policy "
-        "and keep the fastest, running the prefixes after decode when that is fastest)",
+        "and keep the fastest, or the simplest within 1% of it, running the prefixes after decode when "
+        "that is fastest)",
         choices=("serial", "rollplex", "auto"),
     )
     prefill_fusion: bool = _field(
@@ -119,9 +120,7 @@ class RunConfig:
         "does not try it)",
         ge=0,
     )
-    auto_trials: int = _field(
-        2, "auto schedule: trial steps per co-running policy before it keeps the fastest", ge=1
-    )
+    auto_trials: int = _field(2, "auto schedule: trial steps per co-running policy before it keeps one", ge=1)
     progress: bool = _field(True, "show a progress bar with ETA")
     log_every: int = _field(
         10,

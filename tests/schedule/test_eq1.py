@@ -86,6 +86,39 @@ def test_auto_tries_each_policy_twice_then_keeps_the_fastest_median(assets, tmp_
     assert seen[calibration + 2 * len(candidates) :] == [candidates[0]] * 2
 
 
+def test_auto_keeps_the_simplest_policy_within_the_tolerance_of_the_shortest_span():
+    """The first candidate in trial order within ``AUTO_TOLERANCE`` of the shortest median span: the
+    spans of two runs on one H200 (call 4 keeps overlap with priority, 0.1% behind chunked; call 3 the
+    carve-out, 2% ahead of the next); a sequential span within the tolerance keeps the prefixes after
+    decode."""
+    from rollplex.schedule.rollplex import AUTO_TOLERANCE, choose_policy
+
+    sequential, priority, chunked, carveout = (
+        CoRunPolicy(overlap=False),
+        CoRunPolicy(),
+        CoRunPolicy(chunk_groups=1),
+        CoRunPolicy(sm_carveout=66),
+    )
+    order = (sequential, priority, chunked, carveout)
+    assert choose_policy(dict(zip(order, (2.369, 2.302, 2.300, 2.311)))) == priority
+    assert choose_policy(dict(zip(order, (2.434, 2.339, 2.334, 2.290)))) == carveout
+    assert choose_policy(dict(zip(order, (2.0 * (1 + AUTO_TOLERANCE), 2.0, 2.1, 2.2)))) == sequential
+    assert choose_policy(dict(zip(order, (2.0 * (1 + 2 * AUTO_TOLERANCE), 2.0, 2.1, 2.2)))) == priority
+    assert choose_policy(dict(zip(order, (2.4, 2.3, 2.2, 2.1))), tolerance=0.0) == carveout
+    with pytest.raises(ValueError, match="no trial spans"):
+        choose_policy({})
+
+
+def test_auto_keeps_the_policy_choose_policy_picks_after_its_last_trial(assets, tmp_path):  # noqa: F811
+    """The trials' medians go through ``choose_policy``: the chunked candidate 0.1% ahead of overlap
+    with priority does not displace it."""
+    schedule = RollplexSchedule(_config(assets, tmp_path, 1, **{"run.schedule": "auto"}), torch.device("cpu"))
+    spans = dict(zip(auto_candidates(torch.device("cpu")), (2.369, 2.302, 2.300)))
+    for policy in schedule.trials:
+        schedule._learn(policy, spans[policy])
+    assert schedule.policy == CoRunPolicy()
+
+
 def test_a_resumed_rollplex_run_takes_its_policy_from_its_config_and_auto_its_choice(assets, tmp_path):  # noqa: F811
     """A rollplex run resumed with another co-running setting uses it (it is the user's to change);
     auto resumes with the policy it chose, not a configured one."""
