@@ -85,8 +85,8 @@ class RunConfig:
         "phase schedule of one iteration: serial (phases one after another), rollplex (reference and "
         "actor prefixes computed before the responses exist, during decode, and kept for their "
         "suffixes) or auto (rollplex with prefill fusion; the first steps try each co-running policy "
-        "and keep the fastest, or the simplest within 1% of it, running the prefixes after decode when "
-        "that is fastest)",
+        "and keep the first, in the order prefixes after decode, overlap with priority, chunked, SM "
+        "carve-out, whose span is within 1% of the fastest)",
         choices=("serial", "rollplex", "auto"),
     )
     prefill_fusion: bool = _field(

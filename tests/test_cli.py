@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import importlib.metadata
 import subprocess
 import sys
 import types
@@ -235,6 +236,7 @@ def test_version_and_the_train_help_name_the_default_job(capsys):
     with pytest.raises(SystemExit) as exit_:
         main(["--version"])
     assert exit_.value.code == 0 and capsys.readouterr().out == f"rollplex {__version__}\n"
+    assert importlib.metadata.version("rollplex") == __version__  # pyproject.toml's, as installed
     with pytest.raises(SystemExit):
         main(["train", "--help"])
     text = " ".join(capsys.readouterr().out.split())

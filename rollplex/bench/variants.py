@@ -57,7 +57,8 @@ serial                the paper's Colocate baseline
 overlap               rollplex: reference and actor prefixes on a worker stream during decode
 fusion                rollplex without overlap, with prefill fusion (the actor prefix seeds decode)
 both                  rollplex with overlap and prefill fusion (decode on a high-priority stream)
-auto                  tries the co-running policies during its warm-up, keeps the fastest (or the simplest within 1%)
+auto                  tries the co-running policies during its warm-up, keeps the first within 1%
+                      of the fastest
 both-same-priority    both, decode and prefixes at the same stream priority
 both-chunked          both, prefix work issued one group at a time
 both-carveout         both, half the SMs kept free of prefix matrix products

@@ -22,12 +22,14 @@ only. Steps
 run their prefixes after decode, to measure decode and prefixes alone (Eq. 1's T_D and T_P), until a
 step that is not the first of its process has done so (``RollplexSchedule``: a new run's first two
 steps); ``auto`` then tries each policy ``run.auto_trials`` times (default 2), round robin, and keeps
-the one whose median decode/prefix span is shortest.
+the first, in trial order, whose median decode/prefix span is within ``AUTO_TOLERANCE`` of the
+shortest (``choose_policy``).
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import statistics
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
@@ -110,25 +112,30 @@ def auto_candidates(device: torch.device) -> list[CoRunPolicy]:
 
 
 # auto keeps the first candidate (auto_candidates' order: the simplest first) whose median span is
-# within this fraction of the shortest. On one H200 (3B workload) the same policy's span moved by
-# 0.9-2.7% between two processes, while three policies came within 0.5% of each other.
+# within this fraction of the shortest: a policy that adds machinery (chunking, the SM carve-out, an
+# experimental torch setting) must save more than 1% of the span over the ones before it. A cost cap
+# that favours the simpler policy, not a noise bound: on one H200 (3B workload) the spans moved by
+# 0.9-2.7% between two processes, more than the policies' differences, so the choice can still
+# differ from run to run.
 AUTO_TOLERANCE = 0.01
 
 
 def choose_policy(medians: dict[CoRunPolicy, float], tolerance: float = AUTO_TOLERANCE) -> CoRunPolicy:
-    """The policy auto keeps: the first of ``medians`` (trial order, ``auto_candidates``: prefixes after
-    decode, overlap with priority, chunked, SM carve-out) whose median decode/prefix span (seconds) is
-    at most ``(1 + tolerance)`` times the shortest. A difference smaller than that is within what the
-    trials resolve, so the simpler policy stands; the kept one is never slower than the sequential
-    candidate beyond ``tolerance``.
+    """The policy auto keeps: the first of ``medians`` (in trial order, ``auto_candidates``: prefixes
+    after decode, overlap with priority, chunked, SM carve-out) whose median decode/prefix span
+    (seconds) is at most ``(1 + tolerance)`` times the shortest (``AUTO_TOLERANCE``: a cost cap that
+    favours the simpler policy). By the trials' medians the kept policy is no slower than any
+    candidate before it, and at most ``tolerance`` slower than the fastest. Spans that are not finite
+    are left out.
 
     Raises:
-        ValueError: ``medians`` is empty.
+        ValueError: no finite span.
     """
-    if not medians:
-        raise ValueError("auto schedule: no trial spans to choose from")
-    shortest = min(medians.values())
-    return next(p for p, span in medians.items() if span <= shortest * (1 + tolerance))
+    finite = {p: span for p, span in medians.items() if math.isfinite(span) and span >= 0}
+    if not finite:
+        raise ValueError(f"auto schedule: no finite trial span to choose from ({list(medians.values())})")
+    shortest = min(finite.values())
+    return next(p for p, span in finite.items() if span <= shortest * (1 + tolerance))
 
 
 def _actor_prefixes(roles: Roles, prompts: list[Prompt]) -> list[PrefixState]:
@@ -287,7 +294,7 @@ class RollplexSchedule:
     def _next_policy(self) -> CoRunPolicy:
         """The side work after decode until calibrated, and on a resumed run's first step while trials
         remain; then ``auto`` tries each candidate ``run.auto_trials`` times, round robin, and keeps the
-        fastest; otherwise the configured policy."""
+        one ``choose_policy`` picks; otherwise the configured policy."""
         if self._trial_due():
             return self.trials[self.trials_done]
         if not self.calibrated or self.trials_done < len(self.trials):
@@ -319,7 +326,10 @@ class RollplexSchedule:
         self.timings.setdefault(policy, []).append(span)
         self.trials_done += 1
         if self.trials_done == len(self.trials):
-            medians = {p: statistics.median(t) for p, t in self.timings.items()}
+            order = [*dict.fromkeys(self.trials), *self.timings]  # trial order, whatever was loaded
+            medians = {
+                p: statistics.median(self.timings[p]) for p in dict.fromkeys(order) if p in self.timings
+            }
             self.policy = choose_policy(medians)
             table = ", ".join(f"{p.name} {t:.3f} s" for p, t in medians.items())
             log.info("auto schedule: decode/prefix span %s; keeping %s", table, self.policy.name)
