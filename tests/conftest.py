@@ -6,6 +6,7 @@ be set before Triton is first imported, so it is set here, before any test modul
 
 from __future__ import annotations
 
+import gc
 import os
 
 import pytest
@@ -13,6 +14,16 @@ import torch
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+@pytest.fixture
+def no_automatic_gc():
+    """Python's automatic collection off for the test, so that only its own passes run (restored after)."""
+    enabled = gc.isenabled()
+    gc.disable()
+    yield
+    if enabled:
+        gc.enable()
 
 
 @pytest.fixture(autouse=True)

@@ -377,7 +377,7 @@ def test_evaluation_and_checkpoints_are_in_the_trace_and_not_in_the_step_times(a
 
 
 def test_each_step_records_the_garbage_collector_passes_it_ran_and_not_those_between_steps(
-    assets, tmp_path, monkeypatch
+    assets, tmp_path, monkeypatch, no_automatic_gc
 ):
     """``gc_s`` and ``gc_passes`` count the collector's passes inside the step only. Automatic passes
     are off; each step forces one pass and each evaluation after a step two, and the fake clock makes
@@ -409,13 +409,7 @@ def test_each_step_records_the_garbage_collector_passes_it_ran_and_not_those_bet
         loop, "_maybe_eval", lambda *a, **k: (gc.collect(), gc.collect(), real_eval(*a, **k))[2]
     )
     callbacks = list(gc.callbacks)
-    was_enabled = gc.isenabled()
-    gc.disable()
-    try:
-        run_dir = train(_config(assets, tmp_path / "run", 3, **{"eval.every": 1, "run.save_every": 1}))
-    finally:
-        if was_enabled:
-            gc.enable()
+    run_dir = train(_config(assets, tmp_path / "run", 3, **{"eval.every": 1, "run.save_every": 1}))
     rows = [row for row in _metrics(run_dir) if "gc_s" in row]
     assert [(row["step"], row["gc_passes"], row["gc_full_passes"], row["gc_s"]) for row in rows] == [
         (1, 1, 1, 1.0),

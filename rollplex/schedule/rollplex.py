@@ -326,10 +326,8 @@ class RollplexSchedule:
         self.timings.setdefault(policy, []).append(span)
         self.trials_done += 1
         if self.trials_done == len(self.trials):
-            order = [*dict.fromkeys(self.trials), *self.timings]  # trial order, whatever was loaded
-            medians = {
-                p: statistics.median(self.timings[p]) for p in dict.fromkeys(order) if p in self.timings
-            }
+            order = dict.fromkeys([*self.trials, *self.timings])  # trial order, whatever was loaded
+            medians = {p: statistics.median(self.timings[p]) for p in order if p in self.timings}
             self.policy = choose_policy(medians)
             table = ", ".join(f"{p.name} {t:.3f} s" for p, t in medians.items())
             log.info("auto schedule: decode/prefix span %s; keeping %s", table, self.policy.name)

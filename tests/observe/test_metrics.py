@@ -237,16 +237,6 @@ def test_a_resumed_trace_continues_the_earlier_one(tmp_path, caplog):
         caplog.clear()
 
 
-@pytest.fixture
-def no_automatic_gc():
-    """Python's automatic collection off for the test, so that only its own passes run."""
-    enabled = gc.isenabled()
-    gc.disable()
-    yield
-    if enabled:
-        gc.enable()
-
-
 def test_the_gc_clock_times_the_collectors_passes_while_entered(no_automatic_gc):
     """Each pass from its "start" to its "stop" callback, on the given clock; ``pop`` hands over and
     resets; after ``__exit__`` the callback is gone and passes no longer reach the clock."""

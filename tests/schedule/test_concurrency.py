@@ -259,7 +259,7 @@ def _tensors_in_cycles() -> int:
 
 
 @pytest.mark.parametrize("row", ["serial", "overlap", "fusion", "both"])
-def test_a_step_leaves_no_tensor_to_the_garbage_collector(row):
+def test_a_step_leaves_no_tensor_to_the_garbage_collector(row, no_automatic_gc):
     """A step's tensors are freed when the step's last reference goes, not when the collector runs:
     nothing of a step, the prefixes the worker thread made included, sits in a reference cycle (the
     worker's function closing over the worker kept its result, on one H200 2.2 GiB per step)."""
@@ -274,17 +274,11 @@ def test_a_step_leaves_no_tensor_to_the_garbage_collector(row):
     roles = work.roles(ROWS[row], cfg)
     step, timer = make_step(roles.config, work.device), PhaseTimer(sync=None)
     gc.collect()  # what setting up left
-    enabled = gc.isenabled()
-    gc.disable()
-    try:
-        for _ in range(CALIBRATION_STEPS + 1):  # the calibration steps, then one as the row runs them
-            extra = step(roles, work.prompts, timer)[-1]  # the outputs dropped at once
-            timer.pop()
-            assert _tensors_in_cycles() == 0
-        assert extra.get("schedule/overlap", 0.0) == float(row in ("overlap", "both"))
-    finally:
-        if enabled:
-            gc.enable()
+    for _ in range(CALIBRATION_STEPS + 1):  # the calibration steps, then one as the row runs them
+        extra = step(roles, work.prompts, timer)[-1]  # the outputs dropped at once
+        timer.pop()
+        assert _tensors_in_cycles() == 0
+    assert extra.get("schedule/overlap", 0.0) == float(row in ("overlap", "both"))
 
 
 def test_the_worker_hands_over_its_result_and_error():

@@ -124,8 +124,8 @@ def test_auto_keeps_the_policy_choose_policy_picks_after_its_last_trial(assets, 
 
 
 def test_a_resumed_auto_run_chooses_in_trial_order_whatever_order_its_spans_were_saved_in(
-    assets,
-    tmp_path,  # noqa: F811
+    assets,  # noqa: F811
+    tmp_path,
 ):
     """Half the trials, a checkpoint round trip (``torch.save``/``torch.load``) with the spans listed in
     reverse, the other half: overlap with priority 0.1% behind chunked is kept, as in a run that was
