@@ -40,6 +40,7 @@ from rollplex.data.encode import PromptBuilder
 from rollplex.data.loader import PromptSource
 from rollplex.data.records import load_records
 from rollplex.data.vision import ImageSampling, VideoSampling
+from rollplex.models.attention import cascade_kernels
 from rollplex.models.compiled import compile_fallback, compiles_layers
 from rollplex.models.forward import enable_checkpointing, prepare_model, suffix_backend
 from rollplex.models.positions import VisionTokens
@@ -167,10 +168,15 @@ def _check_suffix_attention(cfg: Config) -> str:
     would not fail there).
 
     Raises:
-        ValueError: an unknown backend, or one the device cannot run (``models.forward.suffix_backend``).
+        ValueError: an unknown backend, or one the device cannot run (``models.forward.suffix_backend``),
+            or, for cascade, a bad ``ROLLPLEX_CASCADE_KERNELS`` (``models.attention.cascade_kernels``).
     """
     device = torch.device(resolve_device(cfg.run))
-    return suffix_backend(device, resolve_dtype(cfg.run, device.type))
+    dtype = resolve_dtype(cfg.run, device.type)
+    backend = suffix_backend(device, dtype)
+    if backend == "cascade":
+        cascade_kernels(device, dtype)  # $ROLLPLEX_CASCADE_KERNELS checked now, not in the first step
+    return backend
 
 
 def build_run(cfg: Config) -> Run:

@@ -16,7 +16,7 @@ for ``sdpa`` and ``flex``) is made once, as a suffix pass makes it once for all 
 timed. Timings are medians over ``--repeats`` calls, each synchronised; the deterministic timings run
 under ``torch.use_deterministic_algorithms(True)``.
 
-Usage (CUDA): python scripts/suffix_attention_probe.py [--backends causal,sdpa,dense] [--groups 1]
+Usage (CUDA): python scripts/suffix_attention_probe.py [--backends causal,cascade,sdpa,dense] [--groups 1]
     [--repeats 10] [--out probe.json]
 """
 
@@ -136,9 +136,9 @@ def main() -> None:
     def arguments(parser: argparse.ArgumentParser) -> None:
         parser.add_argument(
             "--backends",
-            default="causal,sdpa,dense",
+            default="causal,cascade,sdpa,dense",
             type=comma_list_of(tuple(SUFFIX_ATTENTION)),
-            help=f"comma-separated, any of {', '.join(SUFFIX_ATTENTION)} (default causal,sdpa,dense)",
+            help=f"comma-separated, any of {', '.join(SUFFIX_ATTENTION)} (default causal,cascade,sdpa,dense)",
         )
         parser.add_argument(
             "--groups",

@@ -277,6 +277,17 @@ def test_a_suffix_attention_that_cannot_run_stops_the_run_before_it_writes(
     assert (run / "metrics.jsonl").read_text() == before  # the earlier run is still there
 
 
+def test_a_bad_cascade_kernel_name_stops_the_run_before_it_writes(assets, tmp_path, monkeypatch):
+    """With the cascade suffix attention, ROLLPLEX_CASCADE_KERNELS is checked as the run starts too,
+    not in its first suffix pass."""
+    cfg = _config(assets, tmp_path / "run", 1, **{"eval.every": 0, "data.val_path": "", "run.device": "cpu"})
+    monkeypatch.setenv("ROLLPLEX_SUFFIX_ATTENTION", "cascade")
+    monkeypatch.setenv("ROLLPLEX_CASCADE_KERNELS", "math,xformers")
+    with pytest.raises(ValueError, match="ROLLPLEX_CASCADE_KERNELS='math,xformers'"):
+        train(cfg)
+    assert not (tmp_path / "run").exists() or not any((tmp_path / "run").iterdir())
+
+
 def test_resume_without_a_checkpoint_writes_nothing(assets, tmp_path):
     """``--resume`` on a folder without a checkpoint fails naming it, and leaves no folder behind."""
     cfg = _config(assets, tmp_path / "none", 1, **{"eval.every": 0, "data.val_path": ""})

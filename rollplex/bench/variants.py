@@ -47,7 +47,7 @@ DECODE_VARIANTS = {
 DEFAULT_VARIANTS = tuple(name for name in DECODE_VARIANTS if not name.endswith("+autotune"))
 
 _BOTH = {"run.schedule": "rollplex", "run.overlap": True, "run.prefill_fusion": True}
-_SUFFIX_ROWS = ("causal", "sdpa", "flex")  # the suffix attention backends with rows of their own
+_SUFFIX_ROWS = ("causal", "cascade", "sdpa", "flex")  # the suffix attention backends with rows of their own
 ROWS_HELP = """\
 Rows of rollplex bench schedule (each from the same initial weights and optimizer state, same prompts
 and seeds; rows not named for a suffix attention backend use the default of the device and dtype, dense
@@ -86,6 +86,11 @@ serial-causal         serial, the suffix attention as one SDPA call per group wi
                       causal mask over each response's [boundary ; own keys] (flash attention;
                       ROLLPLEX_SUFFIX_ATTENTION=causal for the row; the CUDA default in bf16/fp16)
 both-causal           both, likewise
+serial-cascade        serial, the suffix attention per group as the boundary attended once by all the
+                      responses' queries (cuDNN) and each response's own keys causally (flash),
+                      merged by log-sum-exp (ROLLPLEX_SUFFIX_ATTENTION=cascade for the row; CUDA
+                      in bf16/fp16 for cuDNN's and flash attention's kernels)
+both-cascade          both, likewise
 serial-sdpa           serial, the suffix attention as one masked SDPA call per layer over the
                       group's [boundary ; all responses' keys] (ROLLPLEX_SUFFIX_ATTENTION=sdpa)
 both-sdpa             both, likewise

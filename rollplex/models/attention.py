@@ -20,16 +20,23 @@ runs on any device; it is the reference the faster paths are tested against.
 
 from __future__ import annotations
 
+import logging
+import os
 import threading
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
+from torch.autograd.function import once_differentiable
 from torch.nn.attention.bias import causal_lower_right
 
+from rollplex.models.compiled import compile_error_text, compile_errors, compile_fallback
 from rollplex.models.transfer import stream_key, to_device
 from rollplex.types import PrefixState
+
+log = logging.getLogger("rollplex")
 
 ATTENTION_NAME = "rollplex"
 PLAN_KEYWORD = "rollplex_plan"  # the keyword argument that carries the plan down to the attention
@@ -79,11 +86,14 @@ class SuffixPlan:
         group_size: N; query row b belongs to group b // N.
         backend: "dense" (exact reference, any device), "causal" (per group, one SDPA call over the N
             responses, each against [its group's boundary KV ; its own keys] with a bottom-right causal
-            mask: flash attention on CUDA, see ``causal_shared_prefix_attention``), "sdpa" (one masked
+            mask: flash attention on CUDA, see ``causal_shared_prefix_attention``), "cascade" (per group,
+            the boundary attended once by all N responses' queries and each response's own keys
+            causally, merged by log-sum-exp: ``cascade_shared_prefix_attention``), "sdpa" (one masked
             SDPA call per layer over [boundary KV ; all N responses' keys]) or "flex" (flex_attention).
-        mask: the backend's mask — None (dense, causal), bool [G, 1, N·R, P_max + N·R] (sdpa, see
+        mask: the backend's mask — None (dense, causal, cascade), bool [G, 1, N·R, P_max + N·R] (sdpa, see
             ``suffix_bool_mask``) or a flex BlockMask (``suffix_block_mask``).
-        host_prompt_lens: the G prompt lengths on the host (causal slices each group's boundary by them).
+        host_prompt_lens: the G prompt lengths on the host (causal and cascade slice each group's
+            boundary by them).
     """
 
     prefix_keys: list[torch.Tensor]
@@ -290,10 +300,7 @@ def causal_shared_prefix_attention(query, own_keys, own_values, plan: SuffixPlan
         ValueError: the plan's G host lengths times N is not B.
     """
     n, (b, _, r, _) = plan.group_size, query.shape
-    if len(plan.host_prompt_lens) * n != b:
-        raise ValueError(
-            f"{len(plan.host_prompt_lens)} host prompt lengths × {n} responses != {b} query rows"
-        )
+    _check_host_lens(plan, b)
     outs = []
     for g, prompt_len in enumerate(plan.host_prompt_lens):
         rows = slice(g * n, (g + 1) * n)
@@ -314,6 +321,310 @@ def _with_boundary(boundary: torch.Tensor, group: int, prompt_len: int, own: tor
     ``boundary`` [G, Hkv, P_max, D], then each response's own R, from ``own`` [N, Hkv, R, D]."""
     n = own.shape[0]
     return torch.cat([boundary[group : group + 1, :, :prompt_len].expand(n, -1, -1, -1), own], dim=2)
+
+
+def _check_host_lens(plan: SuffixPlan, rows: int) -> None:
+    """Raises ValueError unless the plan's G host prompt lengths times N make ``rows``."""
+    if len(plan.host_prompt_lens) * plan.group_size != rows:
+        raise ValueError(
+            f"{len(plan.host_prompt_lens)} host prompt lengths × {plan.group_size} responses != {rows} query rows"
+        )
+
+
+# --- cascade suffix attention: the shared boundary once per group, the own keys per response ---------
+
+
+@dataclass(frozen=True)
+class AttentionKernel:
+    """One attention part of ``cascade_shared_prefix_attention``, as a forward that also returns the
+    softmax's log-sum-exp and a backward that is given the merged output and log-sum-exp.
+
+    Fields:
+        name: "math" (plain PyTorch, any device: the reference), "flash" (flash attention 2) or
+            "cudnn" (cuDNN's fused attention), the last two through torch's SDPA operators.
+        forward: (q [B, H, Q, D], k, v [B, Hkv, K, D], causal, scale) -> (out [B, H, Q, D] in q's dtype,
+            lse [B, H, Q] in natural-log units (float32; float64 for float64 inputs in "math"), aux:
+            what the backward needs back).
+        backward: (dout, q, k, v, out, lse, aux, causal, scale) -> (dq, dk, dv), where out and lse are
+            those of the whole softmax the part belongs to (``_CascadeAttention.backward``).
+    Causal is only used with Q == K, where the upper-left and lower-right aligned masks coincide (query
+    i sees keys 0..i).
+    """
+
+    name: str
+    forward: Callable
+    backward: Callable
+
+
+def _math_scores(q, k, causal: bool, scale: float) -> torch.Tensor:
+    acc = torch.promote_types(q.dtype, torch.float32)
+    k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1).to(acc)
+    s = q.to(acc) @ k.transpose(-1, -2) * scale
+    if causal:
+        future = torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device).triu(1)
+        s = s.masked_fill(future, float("-inf"))
+    return s
+
+
+def _math_forward(q, k, v, causal: bool, scale: float):
+    s = _math_scores(q, k, causal, scale)
+    lse = torch.logsumexp(s, dim=-1)
+    v = v.repeat_interleave(q.shape[1] // v.shape[1], dim=1).to(s.dtype)
+    return (torch.exp(s - lse[..., None]) @ v).to(q.dtype), lse, ()
+
+
+def _math_backward(dout, q, k, v, out, lse, aux, causal: bool, scale: float):
+    """The softmax attention's gradients given the whole softmax's output and log-sum-exp: with
+    P = exp(S − lse) and Δ = rowsum(dO ⊙ O), dV = Pᵀ·dO, dS = P ⊙ (dO·Vᵀ − Δ), dQ = scale·dS·K and
+    dK = scale·dSᵀ·Q (Dao, FlashAttention-2, 2023, Algorithm 2), key/value heads summed over their
+    query heads."""
+    s = _math_scores(q, k, causal, scale)
+    rep, acc = q.shape[1] // k.shape[1], s.dtype
+    p = torch.exp(s - lse[..., None].to(acc))
+    do = dout.to(acc)
+    vv = v.repeat_interleave(rep, dim=1).to(acc)
+    delta = (do * out.to(acc)).sum(-1, keepdim=True)
+    ds = p * (do @ vv.transpose(-1, -2) - delta) * scale
+    dq = ds @ k.repeat_interleave(rep, dim=1).to(acc)
+    dk, dv = ds.transpose(-1, -2) @ q.to(acc), p.transpose(-1, -2) @ do
+
+    def per_kv_head(x: torch.Tensor) -> torch.Tensor:
+        return x.unflatten(1, (k.shape[1], rep)).sum(2)
+
+    return dq.to(q.dtype), per_kv_head(dk).to(k.dtype), per_kv_head(dv).to(v.dtype)
+
+
+def _flash_forward(q, k, v, causal: bool, scale: float):
+    out, lse, *aux = torch.ops.aten._scaled_dot_product_flash_attention(
+        q, k, v, 0.0, causal, False, scale=scale
+    )
+    cum_q, cum_k, max_q, max_k, rng_state, unused, _ = aux
+    return out, lse, (lse.shape, cum_q, cum_k, max_q, max_k, rng_state, unused)
+
+
+def _flash_backward(dout, q, k, v, out, lse, aux, causal: bool, scale: float):
+    shape, cum_q, cum_k, max_q, max_k, rng_state, unused = aux
+    lse = lse.reshape(shape).contiguous()
+    return torch.ops.aten._scaled_dot_product_flash_attention_backward(
+        dout, q, k, v, out, lse, cum_q, cum_k, max_q, max_k, 0.0, causal, rng_state, unused, scale=scale
+    )  # fmt: skip
+
+
+def _cudnn_forward(q, k, v, causal: bool, scale: float):
+    out, lse, *aux = torch.ops.aten._scaled_dot_product_cudnn_attention(
+        q, k, v, None, True, 0.0, causal, False, scale=scale
+    )
+    cum_q, cum_k, max_q, max_k, seed, offset, _ = aux
+    return out, lse.reshape(out.shape[:3]), (lse.shape, cum_q, cum_k, max_q, max_k, seed, offset)
+
+
+def _cudnn_backward(dout, q, k, v, out, lse, aux, causal: bool, scale: float):
+    shape, cum_q, cum_k, max_q, max_k, seed, offset = aux
+    lse = lse.reshape(shape).contiguous()
+    return torch.ops.aten._scaled_dot_product_cudnn_attention_backward(
+        dout, q, k, v, out, lse, seed, offset, None, cum_q, cum_k, max_q, max_k, 0.0, causal, scale=scale
+    )  # fmt: skip
+
+
+# the kernels a cascade part can run, by the name ROLLPLEX_CASCADE_KERNELS gives them
+ATTENTION_KERNELS = {
+    "math": AttentionKernel("math", _math_forward, _math_backward),
+    "flash": AttentionKernel("flash", _flash_forward, _flash_backward),
+    "cudnn": AttentionKernel("cudnn", _cudnn_forward, _cudnn_backward),
+}
+
+
+def cascade_kernels(device: torch.device, dtype: torch.dtype) -> tuple[AttentionKernel, AttentionKernel]:
+    """The (boundary part, own part) kernels of the cascade backend: cuDNN's fused attention for the
+    boundary and flash attention for the responses' own keys on CUDA in bf16/fp16 (flash attention for
+    both under ``torch.use_deterministic_algorithms``: cuDNN's backward does not repeat itself bit for
+    bit), the plain-PyTorch reference elsewhere. ``$ROLLPLEX_CASCADE_KERNELS`` ("boundary,own", names
+    of ``ATTENTION_KERNELS``) overrides it, for measuring.
+
+    Raises:
+        ValueError: an unknown kernel name in ``$ROLLPLEX_CASCADE_KERNELS``.
+    """
+    fast = device.type == "cuda" and dtype in (torch.bfloat16, torch.float16)
+    boundary = "flash" if torch.are_deterministic_algorithms_enabled() else "cudnn"
+    default = f"{boundary},flash" if fast else "math,math"
+    names = os.environ.get("ROLLPLEX_CASCADE_KERNELS", default).split(",")
+    if len(names) != 2 or not set(names) <= set(ATTENTION_KERNELS):
+        raise ValueError(
+            f"ROLLPLEX_CASCADE_KERNELS={','.join(names)!r}: expected two of {tuple(ATTENTION_KERNELS)}"
+        )
+    return ATTENTION_KERNELS[names[0]], ATTENTION_KERNELS[names[1]]
+
+
+def _heads_to_rows(x: torch.Tensor, hkv: int) -> torch.Tensor:
+    """[N, H, R, ...] -> [N, Hkv, (H/Hkv)·R, ...]: the query heads of each key/value head as one query
+    sequence per response (exact for attention without a mask, where a query's position does not
+    matter), so the boundary part is a plain multi-head attention with Hkv heads."""
+    n, h = x.shape[:2]
+    return x.reshape(n, hkv, -1, *x.shape[3:])
+
+
+def _rows_to_heads(x: torch.Tensor, h: int) -> torch.Tensor:
+    """The inverse of ``_heads_to_rows``: [N, Hkv, (H/Hkv)·R, ...] -> [N, H, R, ...]."""
+    n, _, rows = x.shape[:3]
+    return x.reshape(n, h, rows * x.shape[1] // h, *x.shape[3:])
+
+
+def _per_response(x: torch.Tensor, n: int) -> torch.Tensor:
+    """[1, Hkv, P, D] -> [N, Hkv, P, D], expanded (stride 0 over the responses), not copied: copying
+    made one layer's forward + backward over 8 groups 4% slower on one H200 (docs/benchmarks.md)."""
+    return x.expand(n, -1, -1, -1)
+
+
+def _merge(out_a, lse_a, out_b, lse_b) -> tuple[torch.Tensor, torch.Tensor]:
+    """Two softmax attentions over disjoint key sets as the one over their union: lse = log(e^lse_a +
+    e^lse_b) and out = w·out_a + (1 − w)·out_b with w = e^(lse_a − lse) = σ(lse_a − lse_b), in float32
+    (float64 for float64 outputs), out in out_a's dtype.
+
+    Args:
+        out_a, out_b: [N, H, R, D]; lse_a, lse_b: [N, H, R] (natural-log units).
+    """
+    acc = torch.promote_types(out_a.dtype, torch.float32)
+    lse_a, lse_b = lse_a.to(acc), lse_b.to(acc)
+    w = torch.sigmoid(lse_a - lse_b)[..., None]
+    return torch.lerp(out_b.to(acc), out_a.to(acc), w).to(out_a.dtype), torch.logaddexp(lse_a, lse_b)
+
+
+_MERGE = {}  # device type -> the merge used there (``_merge_on``)
+
+
+def _merge_on(device: torch.device) -> Callable:
+    """``_merge`` as run on ``device``: compiled by torch.compile on CUDA, where its elementwise
+    kernels (four of them over [B, H, R, D]) become one (at the 3B shape on one H200, with the merge
+    then run per group, a layer's forward over 8 groups went from 3.42 to 2.64 ms); eager elsewhere,
+    and from the first compile error on (logged once), or where the layers' compilation has fallen back
+    (``models.compiled.compile_fallback``)."""
+    if device.type != "cuda" or compile_fallback() is not None:  # the layers could not compile either
+        return _merge
+    if device.type not in _MERGE:
+        compiled = torch.compile(_merge, dynamic=None)
+
+        def merge(*args):
+            try:
+                return compiled(*args)
+            except compile_errors() as err:
+                log.warning("the cascade attention's merge runs uncompiled: %s", compile_error_text(err))
+                _MERGE[device.type] = _merge
+                return _merge(*args)
+
+        _MERGE[device.type] = merge
+    return _MERGE[device.type]
+
+
+class _CascadeAttention(torch.autograd.Function):
+    """One layer's suffix attention as two attentions merged by their log-sum-exps; see
+    ``cascade_shared_prefix_attention``. The own part and the merge run once over all B rows, the
+    boundary part once per group (its P_g keys)."""
+
+    @staticmethod
+    def forward(ctx, query, own_k, own_v, boundary_k, boundary_v, scale, kernels, prompt_lens):
+        b, h = query.shape[:2]
+        n, hkv, (on_boundary, on_own) = b // len(prompt_lens), boundary_k.shape[1], kernels
+        outs, lses, aux_boundary = [], [], []
+        for rows, k, v in _group_parts(boundary_k, boundary_v, prompt_lens, n):
+            out_g, lse_g, aux = on_boundary.forward(_heads_to_rows(query[rows], hkv), k, v, False, scale)
+            outs.append(out_g)
+            lses.append(lse_g)
+            aux_boundary.append(aux)
+        out_own, lse_own, aux_own = on_own.forward(query, own_k, own_v, True, scale)
+        out_bd, lse_bd = (outs[0], lses[0]) if len(outs) == 1 else (torch.cat(outs), torch.cat(lses))
+        merge = _merge_on(query.device)
+        out, lse = merge(_rows_to_heads(out_bd, h), _rows_to_heads(lse_bd, h), out_own, lse_own)
+        ctx.save_for_backward(query, own_k, own_v, boundary_k, boundary_v, out, lse)
+        ctx.scale, ctx.kernels, ctx.prompt_lens = scale, kernels, prompt_lens
+        ctx.aux = (aux_boundary, aux_own)
+        return out
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, dout):
+        query, own_k, own_v, boundary_k, boundary_v, out, lse = ctx.saved_tensors
+        (on_boundary, on_own), (aux_boundary, aux_own), scale = ctx.kernels, ctx.aux, ctx.scale
+        b, h = query.shape[:2]
+        n, hkv, dout = b // len(ctx.prompt_lens), boundary_k.shape[1], dout.contiguous()
+        dq, d_own_k, d_own_v = on_own.backward(dout, query, own_k, own_v, out, lse, aux_own, True, scale)
+        to_boundary = any(ctx.needs_input_grad[3:5])
+        d_boundary_k = torch.zeros_like(boundary_k) if to_boundary else None
+        d_boundary_v = torch.zeros_like(boundary_v) if to_boundary else None
+        for g, (rows, k, v) in enumerate(_group_parts(boundary_k, boundary_v, ctx.prompt_lens, n)):
+            dq_g, dk_g, dv_g = on_boundary.backward(
+                *(_heads_to_rows(x[rows], hkv) for x in (dout, query)), k, v,
+                *(_heads_to_rows(x[rows], hkv) for x in (out, lse)), aux_boundary[g], False, scale,
+            )  # fmt: skip
+            dq[rows] += _rows_to_heads(dq_g, h)  # the two parts' query gradients, each rounded
+            if to_boundary:
+                d_boundary_k[g, :, : k.shape[2]] = dk_g.sum(0)  # over the N responses
+                d_boundary_v[g, :, : v.shape[2]] = dv_g.sum(0)
+        return dq, d_own_k, d_own_v, d_boundary_k, d_boundary_v, None, None, None
+
+
+def _group_parts(boundary_k, boundary_v, prompt_lens: tuple[int, ...], n: int):
+    """Per group g: (its rows of the batch, its P_g boundary keys and values as the N responses see
+    them, [N, Hkv, P_g, D] each: ``_per_response``)."""
+    for g, prompt_len in enumerate(prompt_lens):
+        k_a, v_a = (_per_response(x[g : g + 1, :, :prompt_len], n) for x in (boundary_k, boundary_v))
+        yield slice(g * n, (g + 1) * n), k_a, v_a
+
+
+def cascade_shared_prefix_attention(query, own_keys, own_values, plan: SuffixPlan, layer: int, scaling):
+    """Suffix attention as two attentions per group and layer, merged by their log-sum-exps (cascade
+    or shared-prefix attention decomposition: Juravsky et al., Hydragen, 2024; the merge as in
+    FlashInfer's cascade attention and ring attention):
+
+    - the boundary part: each response's queries against the group's P_g boundary keys, without a
+      mask, the query heads of a key/value head as one query sequence (``_heads_to_rows``: H/Hkv·R
+      queries against P_g keys per key/value head and response), with the boundary expanded over the
+      N responses, not copied (``_per_response``), and its gradient summed over them; the kernel is a
+      plain non-causal one (cuDNN's on CUDA, which the bottom-right causal mask of the causal backend
+      cannot use);
+    - the own part: each response's R queries against its own R keys, causal (flash attention), in one
+      call for all B rows;
+    - the merge: lse = log(e^lse_a + e^lse_b) and out = Σ e^(lse_x − lse)·out_x, which is the softmax
+      over the union of the two key sets, the keys a full-sequence causal forward gives a response
+      position; one call for all B rows.
+
+    The backward runs each part's backward with the MERGED output and log-sum-exp (P = exp(S − lse) and
+    Δ = rowsum(dO ⊙ O) are then those of the whole softmax), so each part's gradients are exact, and
+    sums the two query gradients. Kernels: ``cascade_kernels`` (the plain-PyTorch reference off CUDA).
+    cuDNN's attention backward does not repeat itself bit for bit, so under
+    ``torch.use_deterministic_algorithms`` the boundary part runs flash attention. Opt-in
+    (``ROLLPLEX_SUFFIX_ATTENTION=cascade``): at the 3B shape on one H200 one layer's forward + backward
+    over 8 groups took 9.9 ms against causal's 18.5 ms, but the GRPO step did not move
+    (docs/benchmarks.md).
+
+    Each part's output is rounded to the activations' dtype before the merge, and the two query
+    gradients are added in it (in bf16 one rounding more than the causal backend: docs/benchmarks.md
+    gives both backends' errors against float64). In float32 on CUDA the parts run the plain-PyTorch
+    kernels, which hold the full score matrices. cuDNN builds one execution plan per new boundary
+    length P_g (prompts of many lengths were not measured).
+
+    Args:
+        query: [B, H, R, D] (the model's dtype); own_keys/own_values: [B, Hkv, R, D]; B = G·N.
+        plan: the boundary KV per layer [G, Hkv, P_max, D] and ``host_prompt_lens`` (G lengths).
+        layer: which layer's boundary KV to read.
+        scaling: the softmax scale (None: 1/√D).
+
+    Returns:
+        [B, R, H, D], the query's dtype.
+
+    Raises:
+        ValueError: the plan's G host lengths times N is not B, or a bad ``$ROLLPLEX_CASCADE_KERNELS``.
+        RuntimeError: from torch's flash or cuDNN operators on a GPU, dtype or head dim they do not
+            take (the causal backend, through SDPA's dispatcher, falls back to another kernel there).
+    """
+    b, _, _, d = query.shape
+    _check_host_lens(plan, b)
+    scale = d**-0.5 if scaling is None else float(scaling)
+    kernels = cascade_kernels(query.device, query.dtype)
+    boundary = (plan.prefix_keys[layer], plan.prefix_values[layer])
+    out = _CascadeAttention.apply(
+        query, own_keys, own_values, *boundary, scale, kernels, tuple(plan.host_prompt_lens)
+    )
+    return out.transpose(1, 2)
 
 
 def sdpa_shared_prefix_attention(query, own_keys, own_values, plan: SuffixPlan, layer: int, scaling):
@@ -375,6 +686,7 @@ def flex_shared_prefix_attention(query, own_keys, own_values, plan: SuffixPlan, 
 SUFFIX_ATTENTION = {
     "dense": shared_prefix_attention,
     "causal": causal_shared_prefix_attention,
+    "cascade": cascade_shared_prefix_attention,
     "sdpa": sdpa_shared_prefix_attention,
     "flex": flex_shared_prefix_attention,
 }

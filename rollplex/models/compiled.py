@@ -104,7 +104,7 @@ def compile_fallback() -> str | None:
     return _STATE.fallback
 
 
-def _compile_errors() -> tuple[type[BaseException], ...]:
+def compile_errors() -> tuple[type[BaseException], ...]:
     """What torch.compile raises when a backend fails to compile a graph."""
     import torch._dynamo.exc
 
@@ -116,6 +116,13 @@ def _compile_errors() -> tuple[type[BaseException], ...]:
     else:
         errors.append(InductorError)
     return tuple(errors)
+
+
+def compile_error_text(err: BaseException) -> str:
+    """One line naming a compile error: the backend's own error (``inner_exception``) where it has one,
+    its type and the first line of its message (which may be empty)."""
+    cause = getattr(err, "inner_exception", None) or err
+    return f"{type(cause).__name__}: {(str(cause).strip().splitlines() or [''])[0]}"
 
 
 def _checkpointing_inner(forward) -> Callable | None:
@@ -152,11 +159,10 @@ def _compiled(forward, backend: str | Callable):
         if _STATE.fallback is None:
             try:
                 out = run(self, *args, **kwargs)
-            except _compile_errors() as err:
+            except compile_errors() as err:
                 if _STATE.compiled_once:
                     raise
-                cause = getattr(err, "inner_exception", None) or err  # the backend's own error
-                _STATE.fallback = f"{type(cause).__name__}: {(str(cause).strip().splitlines() or [''])[0]}"
+                _STATE.fallback = compile_error_text(err)
                 log.warning(
                     "compiling the layers failed (%s); they run uncompiled from here on "
                     "(model.compile_layers: false skips compiling)",

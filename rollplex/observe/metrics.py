@@ -261,6 +261,7 @@ class GcClock:
         self._done: list[tuple[float, bool]] = []  # (seconds, full) per pass since the last pop
         self.frozen = False
         self._may_freeze = False
+        self._stepped = False  # a step has ended since the last freeze (refreeze has something to do)
 
     def __enter__(self) -> GcClock:
         self._may_freeze = gc.get_freeze_count() == 0
@@ -300,19 +301,25 @@ class GcClock:
         heap is expected before the end, so the full pass before freezing would cost about what it
         saves."""
         if _worth_freezing(steps_left) and self._may_freeze and not self.frozen:
-            gc.collect()
-            self.frozen = True  # before the freeze: an interrupt after it still finds it undone
-            gc.freeze()
+            self._freeze()
+        else:
+            self._stepped = True
 
     def refreeze(self, steps_left: int | None = None) -> None:
         """Between steps, once frozen: unfreeze, one full pass (which frees any cycle that died among the
-        frozen objects), and freeze again. A no-op before the first ``step_done``, and where
-        ``steps_left`` is under ``FREEZE_MIN_STEPS_LEFT`` (the end of the run, which unfreezes, is near)."""
-        if self.frozen and _worth_freezing(steps_left):
+        frozen objects), and freeze again. A no-op before the first ``step_done``, where no step has
+        ended since the last freeze (a checkpoint right after the first step, whose freeze has just
+        run a full pass), and where ``steps_left`` is under ``FREEZE_MIN_STEPS_LEFT`` (the end of the
+        run, which unfreezes, is near)."""
+        if self.frozen and self._stepped and _worth_freezing(steps_left):
             self._unfreeze()
-            gc.collect()
-            self.frozen = True
-            gc.freeze()
+            self._freeze()
+
+    def _freeze(self) -> None:
+        gc.collect()
+        self.frozen = True  # before the freeze: an interrupt after it still finds it undone
+        self._stepped = False
+        gc.freeze()
 
     def _unfreeze(self) -> None:
         if self.frozen:

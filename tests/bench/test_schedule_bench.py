@@ -96,7 +96,7 @@ def test_a_row_whose_layers_ran_uncompiled_says_so(monkeypatch, capsys):
 
 def test_the_suffix_attention_rows_select_their_backend_while_they_run(monkeypatch):
     """serial-X and both-X run with ROLLPLEX_SUFFIX_ATTENTION=X (so models.forward picks that suffix
-    path) for X in causal, sdpa and flex, and the variable is as it was before them once they end."""
+    path) for X in causal, cascade, sdpa and flex, and the variable is as it was before them once they end."""
     import rollplex.bench.schedule as schedule
     from rollplex.models.forward import suffix_backend
 
@@ -108,14 +108,14 @@ def test_the_suffix_attention_rows_select_their_backend_while_they_run(monkeypat
 
     monkeypatch.setattr(schedule, "_timed_row", timed)
     monkeypatch.setenv("ROLLPLEX_SUFFIX_ATTENTION", "dense")
-    names = [f"{row}-{x}" for x in ("causal", "sdpa", "flex") for row in ("serial", "both")]
+    names = [f"{row}-{x}" for x in ("causal", "cascade", "sdpa", "flex") for row in ("serial", "both")]
     for name in ("serial", *names, "both"):
         schedule._run_row(None, name, None)
     assert seen == {"serial": "dense", "both": "dense", **{name: name.split("-")[1] for name in names}}
     monkeypatch.delenv("ROLLPLEX_SUFFIX_ATTENTION")
     schedule._run_row(None, "both-flex", None)
     assert "ROLLPLEX_SUFFIX_ATTENTION" not in os.environ and seen["both-flex"] == "flex"
-    for x in ("causal", "sdpa", "flex"):
+    for x in ("causal", "cascade", "sdpa", "flex"):
         assert ROWS[f"serial-{x}"] == ROWS["serial"] and ROWS[f"both-{x}"] == ROWS["both"]
 
 

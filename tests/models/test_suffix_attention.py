@@ -1,5 +1,7 @@
-"""The causal suffix attention (``models.attention.causal_shared_prefix_attention``) against the dense
-reference (``shared_prefix_attention``) at the attention call itself, in float64 on the CPU: outputs and
+"""The causal and cascade suffix attentions (``models.attention.causal_shared_prefix_attention``,
+``cascade_shared_prefix_attention`` with its plain-PyTorch kernels) against the dense reference
+(``shared_prefix_attention``: one softmax over the concatenated scores, autograd's gradients) at the
+attention call itself, in float64 on the CPU: outputs and
 the gradients of the queries, the responses' own keys and values and the boundary keys and values, for
 groups of different prompt lengths (the boundary zero-padded to the longest, as ``merge_prefixes``
 pads it), grouped-query heads, one and several suffix positions, and a softmax scale other than
@@ -12,6 +14,8 @@ import torch
 
 from rollplex.models.attention import (
     SuffixPlan,
+    cascade_kernels,
+    cascade_shared_prefix_attention,
     causal_shared_prefix_attention,
     shared_prefix_attention,
     suffix_plan,
@@ -51,32 +55,41 @@ def _run(attention, x: dict[str, torch.Tensor], prompt_lens: list[int], scale: f
     return {"output": out.detach(), **dict(zip(x, grads))}
 
 
+FAST = pytest.mark.parametrize(
+    "attention", [causal_shared_prefix_attention, cascade_shared_prefix_attention], ids=["causal", "cascade"]
+)
+
+
+@FAST
 @pytest.mark.parametrize("prompt_lens", [[5], [3, 9], [9, 1, 4]])
 @pytest.mark.parametrize("r", [1, 2, 7])
-def test_causal_equals_the_dense_reference(prompt_lens, r):
+def test_equals_the_dense_reference(attention, prompt_lens, r):
     x = _inputs(prompt_lens, r)
     want = _run(shared_prefix_attention, x, prompt_lens, 0.3)
-    got = _run(causal_shared_prefix_attention, x, prompt_lens, 0.3)
+    got = _run(attention, x, prompt_lens, 0.3)
     for name, ref in want.items():
         assert (got[name] - ref).abs().max() <= 1e-12 * max(1.0, float(ref.abs().max())), name
     padding = [(i, length) for i, length in enumerate(prompt_lens) if length < max(prompt_lens)]
     for i, length in padding:  # no gradient reaches a padded boundary position
         assert not got["boundary_keys"][i, :, length:].any()
+        assert not got["boundary_values"][i, :, length:].any()
 
 
-def test_the_scale_is_applied():
-    """The scale reaches the kernel: 0.3 and the default 1/√D give different outputs."""
+@FAST
+def test_the_scale_is_applied(attention):
+    """The scale reaches the kernel: 0.3 and the default 1/√D give different outputs, and None is
+    1/√D."""
     x = _inputs([4, 6], 3)
-    assert not torch.allclose(
-        _run(causal_shared_prefix_attention, x, [4, 6], 0.3)["output"],
-        _run(causal_shared_prefix_attention, x, [4, 6], D**-0.5)["output"],
-    )
+    default = _run(attention, x, [4, 6], D**-0.5)["output"]
+    assert not torch.allclose(_run(attention, x, [4, 6], 0.3)["output"], default)
+    assert torch.allclose(_run(attention, x, [4, 6], None)["output"], default, rtol=0, atol=1e-12)
 
 
-def test_host_lengths_must_cover_the_rows():
+@FAST
+def test_host_lengths_must_cover_the_rows(attention):
     x = _inputs([4, 6], 3)
     with pytest.raises(ValueError, match="1 host prompt lengths × 3 responses != 6 query rows"):
-        _run(causal_shared_prefix_attention, x, [4], 0.3)
+        _run(attention, x, [4], 0.3)
 
 
 def test_a_plan_of_an_unknown_backend_is_refused():
@@ -91,8 +104,8 @@ def test_a_plan_of_an_unknown_backend_is_refused():
 
 def test_the_default_backend_by_device_and_dtype(monkeypatch):
     """causal where flash attention can take the activations (CUDA, bf16/fp16), masked SDPA on CUDA
-    otherwise, the dense reference on the CPU; the environment variable overrides, and is checked
-    (flex only on CUDA)."""
+    otherwise, the dense reference on the CPU; the environment variable overrides (cascade is opt-in),
+    and is checked (flex only on CUDA)."""
     monkeypatch.delenv("ROLLPLEX_SUFFIX_ATTENTION", raising=False)
     cuda, cpu = torch.device("cuda"), torch.device("cpu")
     assert [suffix_backend(cuda, t) for t in (torch.bfloat16, torch.float16)] == ["causal", "causal"]
@@ -100,6 +113,8 @@ def test_the_default_backend_by_device_and_dtype(monkeypatch):
     assert suffix_backend(cpu, torch.bfloat16) == "dense"
     monkeypatch.setenv("ROLLPLEX_SUFFIX_ATTENTION", "causal")
     assert suffix_backend(cpu, torch.float64) == "causal"
+    monkeypatch.setenv("ROLLPLEX_SUFFIX_ATTENTION", "cascade")
+    assert suffix_backend(cuda, torch.bfloat16) == "cascade"
     monkeypatch.setenv("ROLLPLEX_SUFFIX_ATTENTION", "flex")
     assert suffix_backend(cuda, torch.bfloat16) == "flex"
     with pytest.raises(ValueError, match="flex needs CUDA"):
@@ -107,3 +122,99 @@ def test_the_default_backend_by_device_and_dtype(monkeypatch):
     monkeypatch.setenv("ROLLPLEX_SUFFIX_ATTENTION", "flash")
     with pytest.raises(ValueError, match="ROLLPLEX_SUFFIX_ATTENTION='flash'"):
         suffix_backend(cuda, torch.bfloat16)
+
+
+def test_cascade_kernels_by_device_dtype_and_determinism(monkeypatch):
+    """cuDNN for the boundary and flash for the own keys on CUDA in bf16/fp16, flash for both under
+    deterministic algorithms, the plain-PyTorch parts elsewhere; the environment variable overrides,
+    and is checked."""
+    monkeypatch.delenv("ROLLPLEX_CASCADE_KERNELS", raising=False)
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+
+    def names(device, dtype):
+        return [k.name for k in cascade_kernels(device, dtype)]
+
+    assert names(cuda, torch.bfloat16) == names(cuda, torch.float16) == ["cudnn", "flash"]
+    assert names(cuda, torch.float32) == names(cpu, torch.bfloat16) == ["math", "math"]
+    monkeypatch.setattr(torch, "are_deterministic_algorithms_enabled", lambda: True)
+    assert names(cuda, torch.bfloat16) == ["flash", "flash"]
+    monkeypatch.setenv("ROLLPLEX_CASCADE_KERNELS", "math,cudnn")
+    assert names(cuda, torch.bfloat16) == ["math", "cudnn"]
+    for bad in ("cudnn", "cudnn,flash,math", "cudnn,xformers"):
+        monkeypatch.setenv("ROLLPLEX_CASCADE_KERNELS", bad)
+        with pytest.raises(ValueError, match="ROLLPLEX_CASCADE_KERNELS="):
+            cascade_kernels(cuda, torch.bfloat16)
+
+
+def test_the_merge_falls_back_to_eager_after_a_compile_error(monkeypatch, caplog):
+    """On CUDA the merge runs compiled; where compiling fails, that call and every later one run the
+    eager merge (same result), after one warning."""
+    import torch._dynamo.exc
+
+    import rollplex.models.attention as attention
+
+    calls = []
+
+    def failing(*args):
+        calls.append(1)
+        failed = torch._dynamo.exc.BackendCompilerFailed  # its constructor differs between releases
+        err = failed.__new__(failed)
+        Exception.__init__(err, "no C compiler")
+        raise err
+
+    monkeypatch.setattr(attention, "_MERGE", {})
+    monkeypatch.setattr(torch, "compile", lambda fn, **kw: failing)
+    cuda = torch.device("cuda")
+    args = (torch.randn(2, 3, 4, 5), torch.randn(2, 3, 4), torch.randn(2, 3, 4, 5), torch.randn(2, 3, 4))
+    with caplog.at_level("WARNING", logger="rollplex"):
+        first = attention._merge_on(cuda)(*args)
+        second = attention._merge_on(cuda)(*args)
+    want = attention._merge(*args)
+    assert all(torch.equal(a, b) for got in (first, second) for a, b in zip(got, want))
+    assert len(calls) == 1 and attention._merge_on(cuda) is attention._merge
+    warned = [r.getMessage() for r in caplog.records if "merge runs uncompiled" in r.getMessage()]
+    assert len(warned) == 1 and "no C compiler" in warned[0], warned
+
+
+def test_the_merge_is_the_softmax_over_both_key_sets():
+    """By hand: out_a = 1, lse_a = log 3 and out_b = 4, lse_b = log 1 give weights 3/4 and 1/4: out =
+    1.75 and lse = log 4."""
+    from rollplex.models.attention import _merge
+
+    full = (1, 1, 1)
+    out, lse = _merge(
+        torch.ones(*full, 1),
+        torch.full(full, 3.0).log(),
+        torch.full((*full, 1), 4.0),
+        torch.zeros(full),
+    )
+    assert torch.allclose(out, torch.tensor(1.75)) and torch.allclose(lse, torch.tensor(4.0).log())
+
+
+def test_cascade_with_a_detached_boundary():
+    """The reference's boundary does not require grad: the cascade backward leaves it without a
+    gradient, and the other gradients are the dense reference's."""
+    x = _inputs([3, 9], 4)
+    for name in ("boundary_keys", "boundary_values"):
+        x[name] = x[name].detach()
+    plan = SuffixPlan(
+        [x["boundary_keys"]], [x["boundary_values"]], torch.tensor([3, 9]), N, host_prompt_lens=(3, 9)
+    )
+    leaves = [x["query"], x["own_keys"], x["own_values"]]
+    got = torch.autograd.grad(
+        cascade_shared_prefix_attention(*leaves, plan, 0, 0.3).sum(), leaves, allow_unused=True
+    )
+    want = torch.autograd.grad(shared_prefix_attention(*leaves, plan, 0, 0.3).sum(), leaves)
+    assert all(torch.allclose(a, b, rtol=0, atol=1e-12) for a, b in zip(got, want))
+
+
+def test_the_cascade_backward_is_not_differentiated_twice():
+    """A second-order gradient through the cascade attention is refused rather than wrong."""
+    x = _inputs([4], 2)
+    plan = SuffixPlan(
+        [x["boundary_keys"]], [x["boundary_values"]], torch.tensor([4]), N, host_prompt_lens=(4,)
+    )
+    out = cascade_shared_prefix_attention(x["query"], x["own_keys"], x["own_values"], plan, 0, 0.3)
+    (dq,) = torch.autograd.grad(out.square().sum(), [x["query"]], create_graph=True)
+    with pytest.raises(RuntimeError, match="once_differentiable|marked with @once_differentiable"):
+        dq.sum().backward()

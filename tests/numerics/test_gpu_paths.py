@@ -89,12 +89,14 @@ def _responses(count, length):
 
 
 @pytest.mark.parametrize(
-    ("backend", "length"), [("causal", 20), ("causal", 9), ("sdpa", 20), ("sdpa", 9), ("flex", 9)]
+    ("backend", "length"),
+    [("causal", 20), ("causal", 9), ("cascade", 20), ("cascade", 9), ("sdpa", 20), ("sdpa", 9), ("flex", 9)],
 )
 def test_fused_suffix_matches_dense(models, backend, length):
-    """causal (the CUDA default in bf16/fp16) and sdpa (the float32 default) at any length; flex (opt-in)
-    at a length its compiled kernel accepts. In float32 flash attention does not run, so causal takes
-    another SDPA kernel (the next test runs flash attention in bf16)."""
+    """causal (the CUDA default in bf16/fp16), cascade (opt-in) and sdpa (the float32 default) at any
+    length; flex (opt-in) at a length its compiled kernel accepts. In float32 flash attention does not
+    run, so causal takes another SDPA kernel and cascade its plain-PyTorch parts (the next tests run
+    flash attention and cuDNN's in bf16)."""
     torch.backends.cuda.matmul.allow_tf32 = False
     model = copy.deepcopy(models[0]).float().cuda()
     prompts = _prompts("cuda", torch.float32)
@@ -105,6 +107,45 @@ def test_fused_suffix_matches_dense(models, backend, length):
     for name, grad in g_d.items():
         rel = (grad - g_f[name]).norm() / grad.norm().clamp_min(1e-12)
         assert rel <= 1e-3, (name, float(rel))
+
+
+def _errors_against_the_oracle(oracle, model, prompts, responses, backends) -> dict:
+    """Per suffix backend: (log-probs − the float64 oracle's, every parameter's gradient's relative L2
+    error), of ``model`` (bf16, CUDA) scored attached and backpropagated as ``_scored_with`` does, the
+    oracle being a copy of ``oracle`` (float64) on the CPU under the dense suffix."""
+    oracle = copy.deepcopy(oracle)
+    oracle.zero_grad(set_to_none=True)
+    with _suffix_backend("dense"):
+        want = _score(oracle, _prompts("cpu", torch.float64), responses.cpu(), attached=True)
+        _weighted(want).backward()
+    want_grad = torch.cat([p.grad.flatten() for p in oracle.parameters()])
+    errors = {}
+    for backend in backends:
+        lp, grads = _scored_with(backend, model, prompts, responses)
+        got = torch.cat([g.flatten() for g in grads.values()]).double().cpu()
+        errors[backend] = (lp.double().cpu() - want.detach(), (got - want_grad).norm() / want_grad.norm())
+    return errors
+
+
+@pytest.mark.parametrize("kernels", ["cudnn,flash", "flash,flash"])
+def test_cascade_suffix_in_bf16(models, kernels, monkeypatch):
+    """bf16 on CUDA: the cascade suffix pass launches its parts' kernels (cuDNN's for the boundary by
+    default, flash attention's for the own keys), and its log-probs and gradients are as close to the
+    float64 oracle (dense, on the CPU) as the causal backend's: log-probs within B01's bf16 reference
+    (0.05 max, 2e-3 mean), the gradient's relative L2 error at most twice causal's, plus 1e-3."""
+    monkeypatch.setenv("ROLLPLEX_CASCADE_KERNELS", kernels)
+    model = _bf16_model(models[0])
+    prompts = _prompts("cuda", torch.bfloat16)
+    responses = _responses(len(prompts) * N, 20)
+    names = _suffix_kernels("cascade", model, prompts, responses)
+    assert any("pytorch_flash" in k for k in names), names  # the own part, in either setting
+    assert any("cudnn" in k.lower() for k in names) == kernels.startswith("cudnn"), names
+    errors = _errors_against_the_oracle(models[0], model, prompts, responses, ("cascade", "causal"))
+    diff, rel = errors["cascade"]
+    print(f"cascade ({kernels}) vs float64: log-probs max {float(diff.abs().max()):.3g}, gradient {float(rel):.3g};"
+          f" causal: gradient {float(errors['causal'][1]):.3g}")  # fmt: skip
+    assert diff.abs().max() <= 0.05 and diff.abs().mean() <= 2e-3
+    assert rel <= 2 * errors["causal"][1] + 1e-3
 
 
 def test_causal_suffix_runs_flash_attention_in_bf16(models):
@@ -120,17 +161,7 @@ def test_causal_suffix_runs_flash_attention_in_bf16(models):
         for b in ("causal", "sdpa")
     }
     assert flash == {"causal": True, "sdpa": False}
-    oracle = copy.deepcopy(models[0])
-    oracle.zero_grad(set_to_none=True)
-    with _suffix_backend("dense"):
-        want = _score(oracle, _prompts("cpu", torch.float64), responses.cpu(), attached=True)
-        _weighted(want).backward()
-    want_grad = torch.cat([p.grad.flatten() for p in oracle.parameters()])
-    errors = {}
-    for backend in ("causal", "sdpa"):
-        lp, grads = _scored_with(backend, model, prompts, responses)
-        got = torch.cat([g.flatten() for g in grads.values()]).double().cpu()
-        errors[backend] = (lp.double().cpu() - want.detach(), (got - want_grad).norm() / want_grad.norm())
+    errors = _errors_against_the_oracle(models[0], model, prompts, responses, ("causal", "sdpa"))
     diff, rel = errors["causal"]
     print(f"causal vs float64: log-probs max {float(diff.abs().max()):.3g}, gradient {float(rel):.3g}")
     print(f"sdpa vs float64: gradient {float(errors['sdpa'][1]):.3g}")

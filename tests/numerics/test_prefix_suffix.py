@@ -47,7 +47,7 @@ def _oracle_rows(oracle, prompts, responses, lens, banned=BANNED):
     ]
 
 
-BACKENDS = pytest.mark.parametrize("backend", ["dense", "causal", "sdpa"])
+BACKENDS = pytest.mark.parametrize("backend", ["dense", "causal", "cascade", "sdpa"])
 
 
 @BACKENDS

@@ -304,16 +304,28 @@ def test_after_the_first_step_the_survivors_are_frozen_until_exit_and_garbage_is
 
 def test_refreeze_frees_a_cycle_that_died_among_the_frozen_objects(no_automatic_gc):
     """``refreeze`` (the loop's, at each checkpoint): a frozen cycle that has died is collected, and the
-    survivors are frozen again; before the first ``step_done`` it does nothing."""
+    survivors are frozen again; before the first ``step_done`` it does nothing, and right after the
+    freeze (no step since: a checkpoint after the first step) it runs no second full pass."""
+    passes = []
     with GcClock() as gc_clock:
-        gc_clock.refreeze()
-        assert gc.get_freeze_count() == 0
-        kept = _kept_cycle()
-        gc_clock.step_done()
-        watch = weakref.ref(kept)
-        del kept
-        gc_clock.refreeze()
-        assert watch() is None and gc.get_freeze_count() > 0 and gc_clock.frozen
+        gc.callbacks.append(
+            lambda phase, info: passes.append(info["generation"]) if phase == "stop" else None
+        )
+        try:
+            gc_clock.refreeze()
+            assert gc.get_freeze_count() == 0 and passes == []
+            kept = _kept_cycle()
+            gc_clock.step_done()
+            watch = weakref.ref(kept)
+            del kept
+            gc_clock.refreeze()
+            assert passes == [2] and watch() is not None  # no step since the freeze: nothing done
+            gc_clock.step_done()  # the next step
+            gc_clock.refreeze()
+            gc_clock.refreeze()  # again, with no step between: nothing more
+            assert passes == [2, 2] and watch() is None and gc.get_freeze_count() > 0 and gc_clock.frozen
+        finally:
+            gc.callbacks.pop()
     assert gc.get_freeze_count() == 0
 
 
@@ -348,6 +360,7 @@ def test_a_run_about_to_end_freezes_nothing(no_automatic_gc):
             assert not gc_clock.frozen and passes == []
             gc_clock.step_done(FREEZE_MIN_STEPS_LEFT)
             assert gc_clock.frozen and passes == [2]
+            gc_clock.step_done(FREEZE_MIN_STEPS_LEFT - 1)  # a later step, near the end
             gc_clock.refreeze(FREEZE_MIN_STEPS_LEFT - 1)
             assert passes == [2]
             gc_clock.refreeze()
