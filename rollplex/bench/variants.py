@@ -86,8 +86,8 @@ serial-causal         serial, the suffix attention as one SDPA call per group wi
                       causal mask over each response's [boundary ; own keys] (flash attention;
                       ROLLPLEX_SUFFIX_ATTENTION=causal for the row; the CUDA default in bf16/fp16)
 both-causal           both, likewise
-serial-cascade        serial, the suffix attention per group as the boundary attended once by all the
-                      responses' queries (cuDNN) and each response's own keys causally (flash),
+serial-cascade        serial, the suffix attention as each response's queries against its group's
+                      boundary without a mask (cuDNN) and against its own keys causally (flash),
                       merged by log-sum-exp (ROLLPLEX_SUFFIX_ATTENTION=cascade for the row; CUDA
                       in bf16/fp16 for cuDNN's and flash attention's kernels)
 both-cascade          both, likewise

@@ -86,8 +86,8 @@ class SuffixPlan:
         group_size: N; query row b belongs to group b // N.
         backend: "dense" (exact reference, any device), "causal" (per group, one SDPA call over the N
             responses, each against [its group's boundary KV ; its own keys] with a bottom-right causal
-            mask: flash attention on CUDA, see ``causal_shared_prefix_attention``), "cascade" (per group,
-            the boundary attended once by all N responses' queries and each response's own keys
+            mask: flash attention on CUDA, see ``causal_shared_prefix_attention``), "cascade" (each
+            response's queries against its group's boundary KV, unmasked, and against its own keys,
             causally, merged by log-sum-exp: ``cascade_shared_prefix_attention``), "sdpa" (one masked
             SDPA call per layer over [boundary KV ; all N responses' keys]) or "flex" (flex_attention).
         mask: the backend's mask — None (dense, causal, cascade), bool [G, 1, N·R, P_max + N·R] (sdpa, see
@@ -547,17 +547,18 @@ class _CascadeAttention(torch.autograd.Function):
         b, h = query.shape[:2]
         n, hkv, dout = b // len(ctx.prompt_lens), boundary_k.shape[1], dout.contiguous()
         dq, d_own_k, d_own_v = on_own.backward(dout, query, own_k, own_v, out, lse, aux_own, True, scale)
-        to_boundary = any(ctx.needs_input_grad[3:5])
-        d_boundary_k = torch.zeros_like(boundary_k) if to_boundary else None
-        d_boundary_v = torch.zeros_like(boundary_v) if to_boundary else None
+        need_k, need_v = ctx.needs_input_grad[3:5]
+        d_boundary_k = torch.zeros_like(boundary_k) if need_k else None
+        d_boundary_v = torch.zeros_like(boundary_v) if need_v else None
         for g, (rows, k, v) in enumerate(_group_parts(boundary_k, boundary_v, ctx.prompt_lens, n)):
             dq_g, dk_g, dv_g = on_boundary.backward(
                 *(_heads_to_rows(x[rows], hkv) for x in (dout, query)), k, v,
                 *(_heads_to_rows(x[rows], hkv) for x in (out, lse)), aux_boundary[g], False, scale,
             )  # fmt: skip
             dq[rows] += _rows_to_heads(dq_g, h)  # the two parts' query gradients, each rounded
-            if to_boundary:
+            if need_k:
                 d_boundary_k[g, :, : k.shape[2]] = dk_g.sum(0)  # over the N responses
+            if need_v:
                 d_boundary_v[g, :, : v.shape[2]] = dv_g.sum(0)
         return dq, d_own_k, d_own_v, d_boundary_k, d_boundary_v, None, None, None
 

@@ -237,8 +237,9 @@ class GcClock:
     later passes skip. Those objects are still freed by reference counting, but a reference cycle
     that includes one of them, and everything the cycle references, is kept until the heap is
     unfrozen: at ``refreeze`` (the training loop calls it at each checkpoint with at least
-    ``FREEZE_MIN_STEPS_LEFT`` steps after it, outside the step times; a pass over the whole heap each,
-    so a checkpoint every step costs one such pass per step) and at ``__exit__``, after which the
+    ``FREEZE_MIN_STEPS_LEFT`` steps after it, outside the step times; a pass over the whole heap each
+    but where no step has ended since the freeze, so a checkpoint every step costs one such pass per
+    step) and at ``__exit__``, after which the
     next pass frees what has died (a benchmark row's models, say). Where the process had frozen
     objects before ``__enter__`` (someone else's freeze), this clock freezes nothing and unfreezes
     nothing; someone else's freeze after ``__enter__`` is not told apart and is unfrozen with the
@@ -296,7 +297,8 @@ class GcClock:
 
     def step_done(self, steps_left: int | None = None) -> None:
         """Call between steps. After the first: one full pass, then the survivors frozen out of later
-        passes (see the class). A no-op after later steps, and where ``steps_left`` (the steps still to
+        passes (see the class). After later steps it only notes that a step has ended (``refreeze``
+        has something to do), and it freezes nothing where ``steps_left`` (the steps still to
         run; None: a long run) is under ``FREEZE_MIN_STEPS_LEFT``: fewer than one pass over the whole
         heap is expected before the end, so the full pass before freezing would cost about what it
         saves."""
