@@ -51,7 +51,8 @@ _SUFFIX_ROWS = ("causal", "cascade", "sdpa", "flex")  # the suffix attention bac
 ROWS_HELP = """\
 Rows of rollplex bench schedule (each from the same initial weights and optimizer state, same prompts
 and seeds; rows not named for a suffix attention backend use the default of the device and dtype, dense
-on the CPU, so on the CPU the -causal and -sdpa rows differ from serial on purpose):
+on the CPU, so on the CPU the -causal, -cascade and -sdpa rows differ from serial on purpose, by
+rounding; -cascade runs its plain-PyTorch parts there):
 
 serial                the paper's Colocate baseline
 overlap               rollplex: reference and actor prefixes on a worker stream during decode

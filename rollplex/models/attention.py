@@ -449,8 +449,10 @@ def cascade_kernels(device: torch.device, dtype: torch.dtype) -> tuple[Attention
     default = f"{boundary},flash" if fast else "math,math"
     names = os.environ.get("ROLLPLEX_CASCADE_KERNELS", default).split(",")
     if len(names) != 2 or not set(names) <= set(ATTENTION_KERNELS):
+        choices = "|".join(ATTENTION_KERNELS)
         raise ValueError(
-            f"ROLLPLEX_CASCADE_KERNELS={','.join(names)!r}: expected two of {tuple(ATTENTION_KERNELS)}"
+            f"ROLLPLEX_CASCADE_KERNELS={','.join(names)!r}: expected BOUNDARY,OWN (the kernels of the "
+            f"boundary part and of the own-keys part), each one of {choices}, e.g. cudnn,flash"
         )
     return ATTENTION_KERNELS[names[0]], ATTENTION_KERNELS[names[1]]
 
