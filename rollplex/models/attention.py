@@ -461,8 +461,7 @@ def _heads_to_rows(x: torch.Tensor, hkv: int) -> torch.Tensor:
     """[N, H, R, ...] -> [N, Hkv, (H/Hkv)·R, ...]: the query heads of each key/value head as one query
     sequence per response (exact for attention without a mask, where a query's position does not
     matter), so the boundary part is a plain multi-head attention with Hkv heads."""
-    n, h = x.shape[:2]
-    return x.reshape(n, hkv, -1, *x.shape[3:])
+    return x.reshape(x.shape[0], hkv, -1, *x.shape[3:])
 
 
 def _rows_to_heads(x: torch.Tensor, h: int) -> torch.Tensor:
@@ -569,8 +568,8 @@ def _group_parts(boundary_k, boundary_v, prompt_lens: tuple[int, ...], n: int):
     """Per group g: (its rows of the batch, its P_g boundary keys and values as the N responses see
     them, [N, Hkv, P_g, D] each: ``_per_response``)."""
     for g, prompt_len in enumerate(prompt_lens):
-        k_a, v_a = (_per_response(x[g : g + 1, :, :prompt_len], n) for x in (boundary_k, boundary_v))
-        yield slice(g * n, (g + 1) * n), k_a, v_a
+        k, v = (_per_response(x[g : g + 1, :, :prompt_len], n) for x in (boundary_k, boundary_v))
+        yield slice(g * n, (g + 1) * n), k, v
 
 
 def cascade_shared_prefix_attention(query, own_keys, own_values, plan: SuffixPlan, layer: int, scaling):
