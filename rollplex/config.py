@@ -215,7 +215,11 @@ class RolloutConfig:
         choices=COMPILE_MODES,
     )
     graph_window: int = _field(
-        128, "own-key window of the captured decode steps, tokens (one graph per window)", ge=1
+        0,
+        "own-key window of the captured decode steps, tokens (one graph per window); 0 = the decode "
+        "attention's own: 512 (one own-key chunk) with triton, whose launch is the same for any window "
+        "inside a chunk, 128 with dense",
+        ge=0,
     )
     decode_attention: str = _field(
         "auto",

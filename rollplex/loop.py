@@ -282,6 +282,7 @@ def step_metrics(scored: ScoredBatch, stats: list[ActorStats], norms: list[float
         "entropy": sum(s.entropy for s in stats) / tokens,
         "response_length": float(rollout.response_lens.float().mean()),
         "truncated_fraction": float(rollout.truncated.float().mean()),
+        "decode/setup_s": rollout.setup_s,
         "grad_norm": float(np.mean(norms)),
         "skipped_updates": sum(not math.isfinite(n) for n in norms),  # optim.clip_and_step dropped them
         "zero_variance_groups": scored.zero_variance_groups,

@@ -176,6 +176,8 @@ class RolloutBatch:
         texts: decoded responses (special tokens skipped), length B.
         truncated: bool [B], True when the budget ran out before an EOS.
         timeline: when the decode loop reached its synchronisation points (empty if not recorded).
+        setup_s: seconds (host clock) from building the decode step to its CUDA graphs captured,
+            warm-up passes included; 0 where no decode loop ran.
 
     Example:
         RolloutBatch(prompts=[p0, p1], group_size=2, responses=ids[4, 6], response_lens=tensor([3, 6, 2, 4]),
@@ -190,6 +192,7 @@ class RolloutBatch:
     texts: list[str]
     truncated: torch.Tensor
     timeline: DecodeTimeline = field(default_factory=DecodeTimeline)
+    setup_s: float = 0.0
 
     def response_mask(self) -> torch.Tensor:
         """bool [B, R], True at real response tokens (from ``response_lens``)."""

@@ -57,7 +57,7 @@ SPEC_DEFAULTS = {
         "cuda_graphs": True,
         "compile_decode": True,
         "compile_mode": "default",
-        "graph_window": 128,
+        "graph_window": 0,
         "decode_attention": "auto",
         "fused_projections": True,
         "fused_sampling": True,

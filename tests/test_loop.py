@@ -130,6 +130,7 @@ def test_run_artefacts(assets, tmp_path):
     rows = _metrics(run)
     assert rows[0]["step"] == 0 and "val_accuracy" in rows[0]
     step = rows[-1]
+    assert step["decode/setup_s"] > 0
     for key in (
         "reward_mean",
         "accuracy",

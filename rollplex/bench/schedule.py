@@ -211,6 +211,7 @@ def _timed_row(work: _Workload, name: str, cfg: ScheduleBenchConfig) -> tuple[di
                 held.append(round(torch.cuda.memory_allocated(work.device) / 2**30, 3))
             collected.append(round(gc_spent["gc_s"], 3))
             spent = {**timer.pop(), **extra, **gc_spent, "grad_norm": _largest(norms)}
+            spent["decode/setup_s"] = scored.rollout.setup_s
             print(f"    {name} iteration {i}: {end - start:.3f} s ({_gc_text(gc_spent)})", flush=True)
             if i >= warmup:
                 times.append(end - start)
@@ -453,6 +454,7 @@ def _print(result: ScheduleBenchResult) -> None:
         "eq1/S",
         "eq1/bound",
         "eq1/T_post",
+        "decode/setup_s",
         "grad_norm",
         "decode_ms_per_step",
         "decode_roofline_ratio",

@@ -81,6 +81,10 @@ serial-torch-checkpoint  serial with torch's non-reentrant checkpoint in every l
                       (model.layer_recompute off; every other row runs the prefix and vision layers'
                       forward without autograd under checkpointing)
 both-torch-checkpoint both, likewise (compared with serial-torch-checkpoint)
+serial-window128      serial, the decode step captured per 128-token own-key window
+                      (rollout.graph_window: 128; every other row: one graph per 512-key own-key
+                      chunk of the fused decode attention, the default)
+both-window128        both, likewise
 serial-again          serial once more: whether serial's own update is the same from run to run
                       (its parameter and optimizer differences are against serial's)
 serial-causal         serial, the suffix attention as one SDPA call per group with a bottom-right
@@ -118,6 +122,8 @@ ROWS = {
     "both-whole-batch": {**_BOTH, "algo.micro_batch_groups": 0},
     "serial-torch-checkpoint": {"run.schedule": "serial", "model.layer_recompute": False},
     "both-torch-checkpoint": {**_BOTH, "model.layer_recompute": False},
+    "serial-window128": {"run.schedule": "serial", "rollout.graph_window": 128},
+    "both-window128": {**_BOTH, "rollout.graph_window": 128},
     "serial-again": {"run.schedule": "serial"},
     **{
         f"{row}-{name}": settings

@@ -7,8 +7,7 @@ Every buffer the step reads or writes is allocated once per rollout (the boundar
 prefix, a [B, Hkv, R, D] cache of generated keys/values per layer, the token and step index, the
 recorded responses and log-probs), so the step has the same shapes and addresses at every token. On
 CUDA a whole step — forward, sampling, recording — is therefore captured as one CUDA graph per own-key
-window L (a multiple of ``window`` tokens, so a step reads at most ``window - 1`` masked cache slots)
-and replayed ``eos_check_every`` times per round of the decode loop with no host work in between; the
+window L (a multiple of ``window`` tokens: ``graph_window``) and replayed ``eos_check_every`` times per round of the decode loop with no host work in between; the
 layer functions can also be compiled (torch.compile) first.
 
 The arithmetic is the Qwen2.5-VL decoder layer of transformers (RMSNorm, q/k/v with bias, rotary
@@ -34,7 +33,7 @@ import torch.nn.functional as F
 
 from rollplex.config import COMPILE_MODES, DECODE_ATTENTION
 from rollplex.rollout import sample_kernel
-from rollplex.rollout.decode_kernel import fused_decode_attention, supports, triton
+from rollplex.rollout.decode_kernel import OWN_CHUNK, fused_decode_attention, supports, triton
 from rollplex.rollout.linear_kernel import MAX_ROWS as GATE_MAX_ROWS
 from rollplex.rollout.linear_kernel import gated_up_product
 from rollplex.rollout.sampler import race_tokens, sample_tokens
@@ -43,6 +42,23 @@ from rollplex.types import PrefixState
 log = logging.getLogger(__name__)
 
 NEG_INF = float("-inf")
+DENSE_WINDOW = 128  # own-key window of the dense attention's graphs when ``graph_window`` is 0
+
+
+def graph_window(setting: int, attention: str) -> int:
+    """Own-key window granularity of the captured decode steps, in tokens: ``setting`` when positive;
+    for 0, one own-key chunk of the fused attention (``decode_kernel.OWN_CHUNK``, 512 keys) with
+    ``attention`` "triton", ``DENSE_WINDOW`` (128) with "dense".
+
+    Why: the fused kernel's launch depends on the window only through its number of own-key chunks,
+    and reads no key past the step, so any window inside one chunk launches the same programs and
+    gives the same bits; a finer window only adds graph captures (on one H200 at the 3B workload,
+    four 128-token windows took 0.12-0.17 s of host time per rollout, docs/benchmarks.md). The dense
+    attention's score tensors span the whole window, so a finer window saves it masked work.
+    """
+    if setting > 0:
+        return setting
+    return OWN_CHUNK if attention == "triton" else DENSE_WINDOW
 
 
 class BackendUnavailable(ValueError):
@@ -326,7 +342,8 @@ class SamplingParams:
     eos_check_every (decode steps per round; the host checks "every row finished" once per round),
     cuda_graphs (replay the decode step as CUDA graphs), compile (torch.compile the step
     before capture; CUDA only), compile_mode (its torch.compile mode, config.COMPILE_MODES; ValueError
-    otherwise), graph_window (own-key window granularity of the captured steps, tokens),
+    otherwise), graph_window (own-key window granularity of the captured steps, tokens; 0: the
+    backend's own, ``graph_window``),
     attention (decode attention backend, "auto", "dense" or "triton"; ``StaticDecoder``),
     fused_projections (one q/k/v and one gate/up product per layer from concatenated weight copies),
     fused_sampling (the decode steps' sampling race as Triton kernels, rollout.sample_kernel; on CUDA,
@@ -346,7 +363,7 @@ class SamplingParams:
     cuda_graphs: bool = True
     compile: bool = False
     compile_mode: str = "default"
-    graph_window: int = 128
+    graph_window: int = 0
     attention: str = "auto"
     fused_projections: bool = False
     fused_sampling: bool = False
@@ -533,9 +550,9 @@ class StaticDecoder:
         self.prefix_bias = torch.zeros(rows, p, device=device).masked_fill(
             pad.repeat_interleave(group_size, 0), NEG_INF
         )
-        self.window = max(1, min(params.graph_window, self.shape.budget))
         use_cuda = device.type == "cuda"
         self.attention = _check_attention(params.attention, device, self.shape)
+        self.window = max(1, min(graph_window(params.graph_window, self.attention), self.shape.budget))
         self.layer_fns: LayerFns = EAGER_LAYER_FNS
         self.race: Callable = race_tokens
         if params.fused_sampling and fused_sampling_runs(device):

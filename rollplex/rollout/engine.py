@@ -119,10 +119,11 @@ def generate(
     token, lp = first_params.sample(prefix.last_logprobs.repeat_interleave(group_size, 0), generator)
     record = DecodeRecord.empty(rows, params, device, prefix.last_logprobs.dtype)
     record.write(token, lp, torch.zeros(1, dtype=torch.long, device=device))
-    decoder = None
+    decoder, setup_start = None, time.perf_counter()
     if budget > 1:
         decoder = StaticDecoder(model, prefix, group_size, params, record, token, generator)
         decoder.capture()
+    setup_s = time.perf_counter() - setup_start if decoder is not None else 0.0
     clock = _DecodeClock(device)
     rounds = decoder.rounds_total if decoder is not None else 0
     flags = torch.zeros(rounds, dtype=torch.bool, pin_memory=clock.cuda)
@@ -147,4 +148,5 @@ def generate(
         texts=texts,
         truncated=~done,
         timeline=timeline,
+        setup_s=setup_s,
     )

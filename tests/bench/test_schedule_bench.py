@@ -51,6 +51,7 @@ def test_rows_reach_the_same_parameters(tmp_path):
         assert row["step_s_median"] > 0 and row["eq1/T_D"] > 0
         assert len(row["gc_s_by_step"]) == row["steps_taken"], name
         assert {"gc_s", "gc_passes", "gc_full_passes"} <= set(row), name
+        assert row["decode/setup_s"] > 0, name  # the decode step was built (no graphs on the CPU)
     assert result.rows["both-whole-batch"]["baseline"] == "serial-whole-batch"
     assert result.rows["both"]["baseline"] == "serial"
     assert result.rows["both-torch-checkpoint"]["baseline"] == "serial-torch-checkpoint"

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from rollplex.rollout import decode_kernel
-from rollplex.rollout.decode import DecodeShape, _check_attention
+from rollplex.rollout.decode import DENSE_WINDOW, DecodeShape, _check_attention, graph_window
 
 CUDA, CPU = torch.device("cuda"), torch.device("cpu")  # a device object only: nothing runs on it
 
@@ -42,6 +42,14 @@ def test_explicit_backends_and_unknown_names():
     assert _check_attention("dense", CUDA, _shape()) == "dense"
     with pytest.raises(ValueError, match="expected one of"):
         _check_attention("flash", CPU, _shape())
+
+
+def test_graph_window_zero_is_the_attentions_own():
+    """``rollout.graph_window: 0`` (the default): one own-key chunk of the fused kernel (512 keys), 128
+    with the dense attention; a positive setting is kept as given."""
+    assert graph_window(0, "triton") == decode_kernel.OWN_CHUNK == 512
+    assert graph_window(0, "dense") == DENSE_WINDOW == 128
+    assert graph_window(16, "triton") == graph_window(16, "dense") == 16
 
 
 def test_compile_modes_are_built_once_and_unknown_modes_named(monkeypatch):

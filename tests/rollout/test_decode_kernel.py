@@ -75,6 +75,21 @@ def test_fused_equals_dense(seed, window, step):
     assert (fused - dense).abs().max() <= TOL
 
 
+def test_windows_inside_one_own_key_chunk_give_the_same_bits():
+    """The decoder captures one graph per own-key chunk of windows (rollout.decode.graph_window): any
+    window inside one chunk launches the same programs, which read no key past the step, so the output
+    is bitwise the same for windows of 48, 300 and 512 keys at step 40; a window of two chunks (600)
+    launches more programs and still equals the dense result."""
+    q, pk, pv, lens, own_k, own_v, step, shape = _case(6, window=1024, step=40)
+    outs = [
+        _fused(q, pk, pv, lens, own_k[:, :, :w], own_v[:, :, :w], step, shape.scaling, shape.group_size)
+        for w in (48, 300, 512, 600)
+    ]
+    assert all(torch.equal(outs[0], out) for out in outs[1:3])
+    dense = _dense(q, pk, pv, lens, own_k[:, :, :48], own_v[:, :, :48], step, shape)
+    assert (outs[3] - dense).abs().max() <= TOL
+
+
 @pytest.mark.parametrize(
     "knobs",
     [

@@ -35,7 +35,8 @@ SCHEDULES = {
     },
     "auto": {"run.schedule": "auto"},
 }
-TIMING = ("time/", "eq1/", "schedule/", "gc_")  # "gc_": the garbage collector's time and passes
+# timing prefixes: "gc_" the garbage collector's time and passes, "decode/" the decode step's setup time
+TIMING = ("time/", "eq1/", "schedule/", "gc_", "decode/")
 
 
 def green_capable() -> bool:
