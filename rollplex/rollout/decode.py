@@ -7,8 +7,9 @@ Every buffer the step reads or writes is allocated once per rollout (the boundar
 prefix, a [B, Hkv, R, D] cache of generated keys/values per layer, the token and step index, the
 recorded responses and log-probs), so the step has the same shapes and addresses at every token. On
 CUDA a whole step — forward, sampling, recording — is therefore captured as one CUDA graph per own-key
-window L (a multiple of ``window`` tokens: ``graph_window``) and replayed ``eos_check_every`` times per round of the decode loop with no host work in between; the
-layer functions can also be compiled (torch.compile) first.
+window L (the multiples of ``resolve_graph_window``'s window) and replayed ``eos_check_every`` times per
+round of the decode loop with no host work in between; the layer functions can also be compiled
+(torch.compile) first.
 
 The arithmetic is the Qwen2.5-VL decoder layer of transformers (RMSNorm, q/k/v with bias, rotary
 embedding, o_proj, SiLU-gated MLP), written here as one pure function of the layer's tensors so that it
@@ -42,20 +43,33 @@ from rollplex.types import PrefixState
 log = logging.getLogger(__name__)
 
 NEG_INF = float("-inf")
-DENSE_WINDOW = 128  # own-key window of the dense attention's graphs when ``graph_window`` is 0
+DENSE_WINDOW = 128  # own-key window of the dense attention's graphs by default (``resolve_graph_window``)
 
 
-def graph_window(setting: int, attention: str) -> int:
+def resolve_graph_window(setting: int, attention: str) -> int:
     """Own-key window granularity of the captured decode steps, in tokens: ``setting`` when positive;
-    for 0, one own-key chunk of the fused attention (``decode_kernel.OWN_CHUNK``, 512 keys) with
-    ``attention`` "triton", ``DENSE_WINDOW`` (128) with "dense".
+    for 0 (``rollout.graph_window``'s default), one own-key chunk of the fused attention
+    (``decode_kernel.OWN_CHUNK``, 512 keys) with ``attention`` "triton", ``DENSE_WINDOW`` (128) with
+    "dense".
 
     Why: the fused kernel's launch depends on the window only through its number of own-key chunks,
     and reads no key past the step, so any window inside one chunk launches the same programs and
-    gives the same bits; a finer window only adds graph captures (on one H200 at the 3B workload,
-    four 128-token windows took 0.12-0.17 s of host time per rollout, docs/benchmarks.md). The dense
-    attention's score tensors span the whole window, so a finer window saves it masked work.
+    gives the same bits; a finer window only adds captures (on one H200 at the 3B workload, four
+    128-token windows took 0.105-0.134 s of decode setup per step against 0.030 s for one,
+    docs/benchmarks.md). A window that is not a divisor of the chunk (say 300) cuts windows across
+    chunk boundaries, where a step's launch gets one more own-key chunk: exact, but not bitwise the
+    default's. The dense attention's score tensors span the whole window, so a finer window saves it
+    masked work, and a step reads at most ``window - 1`` masked cache slots.
+
+    Raises:
+        ValueError: a negative ``setting``, or ``attention`` other than "triton" and "dense" (resolve
+            "auto" first: ``_check_attention``).
     """
+    if setting < 0 or attention not in ("triton", "dense"):
+        raise ValueError(
+            f"graph window {setting!r} for attention {attention!r}: expected a window >= 0 and a resolved "
+            "attention, triton or dense"
+        )
     if setting > 0:
         return setting
     return OWN_CHUNK if attention == "triton" else DENSE_WINDOW
@@ -342,8 +356,8 @@ class SamplingParams:
     eos_check_every (decode steps per round; the host checks "every row finished" once per round),
     cuda_graphs (replay the decode step as CUDA graphs), compile (torch.compile the step
     before capture; CUDA only), compile_mode (its torch.compile mode, config.COMPILE_MODES; ValueError
-    otherwise), graph_window (own-key window granularity of the captured steps, tokens; 0: the
-    backend's own, ``graph_window``),
+    otherwise), graph_window (own-key window granularity of the captured steps, tokens; 0 = the
+    attention's own: ``resolve_graph_window``; ValueError if negative),
     attention (decode attention backend, "auto", "dense" or "triton"; ``StaticDecoder``),
     fused_projections (one q/k/v and one gate/up product per layer from concatenated weight copies),
     fused_sampling (the decode steps' sampling race as Triton kernels, rollout.sample_kernel; on CUDA,
@@ -395,6 +409,10 @@ class SamplingParams:
     def __post_init__(self) -> None:
         if self.compile_mode not in COMPILE_MODES:
             raise ValueError(f"decode compile mode {self.compile_mode!r}: expected one of {COMPILE_MODES}")
+        if self.graph_window < 0:
+            raise ValueError(
+                f"decode graph window {self.graph_window!r}: expected >= 0 (0 = the attention's own)"
+            )
 
     @property
     def score_temperature(self) -> float:
@@ -552,7 +570,7 @@ class StaticDecoder:
         )
         use_cuda = device.type == "cuda"
         self.attention = _check_attention(params.attention, device, self.shape)
-        self.window = max(1, min(graph_window(params.graph_window, self.attention), self.shape.budget))
+        self.window = min(resolve_graph_window(params.graph_window, self.attention), self.shape.budget)
         self.layer_fns: LayerFns = EAGER_LAYER_FNS
         self.race: Callable = race_tokens
         if params.fused_sampling and fused_sampling_runs(device):
@@ -593,8 +611,9 @@ class StaticDecoder:
             if fused:
                 lens, step = self.prompt_lens_i32, self.step_index
                 attention = fused_decode_attention(
-                    q, keys, values, lens, own_k, own_v, k, v, step, s.scaling, s.group_size, cos=cos, sin=sin
-                )
+                    q, keys, values, lens, own_k, own_v, k, v, step, s.scaling, s.group_size,
+                    cos=cos, sin=sin, own_chunk=OWN_CHUNK,  # resolve_graph_window's chunk
+                )  # fmt: skip
                 if nxt is None:
                     hidden = fns.post(hidden, attention, weights, s)
                 else:

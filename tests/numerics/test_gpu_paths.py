@@ -183,7 +183,8 @@ class _Tok:
 
 
 def _bf16_rollout(model, prompts, generator=None, **decode):
-    params = SamplingParams(T, 1.0, 0, 40, (1,), 2, BANNED, **{"graph_window": 16, **decode})
+    decode = {"max_tokens": 40, "graph_window": 16, **decode}
+    params = SamplingParams(T, 1.0, 0, decode.pop("max_tokens"), (1,), 2, BANNED, **decode)
     prefix = prefix_forward(model, prompts, temperature=T, banned_ids=BANNED, attached=False)
     return generate(
         model,
@@ -249,21 +250,25 @@ def test_bf16_rollout_vs_trainer_logprobs(models, compile, attention, fused, sam
 
 
 def test_one_graph_per_own_key_chunk_gives_the_same_rollout(models, monkeypatch):
-    """With the fused attention the default window is one own-key chunk: the 39 decode steps of a
-    40-token budget replay one graph (window 39, the cache's length) instead of three (16, 32, 39), and
-    the rollout is bitwise the one of 16-token windows."""
+    """With the fused attention the default window is one own-key chunk: the 199 decode steps of a
+    200-token budget replay one graph (window 199, the cache's length) where 128-token windows, the
+    earlier default, capture two (128, 199), and the rollout is bitwise theirs."""
     from rollplex.rollout.decode import StaticDecoder
 
-    captured, real = [], StaticDecoder._capture_on
-    spy = lambda self, warm, current, lengths: captured.append(lengths) or real(self, warm, current, lengths)  # noqa: E731
+    captured, capture_on = [], StaticDecoder._capture_on
+
+    def spy(self, warm, current, lengths):
+        captured.append(lengths)
+        return capture_on(self, warm, current, lengths)
+
     monkeypatch.setattr(StaticDecoder, "_capture_on", spy)
     model = _bf16_model(models[0])
     prompts = _prompts("cuda", torch.bfloat16)
     gens = [torch.Generator(device="cuda").manual_seed(0) for _ in range(2)]
-    options = {"attention": "triton", "cuda_graphs": True, "compile": True, "fused_projections": True}
-    default = _bf16_rollout(model, prompts, gens[0], graph_window=0, **options)
-    fine = _bf16_rollout(model, prompts, gens[1], graph_window=16, **options)
-    assert captured == [[39], [16, 32, 39]]
+    options = {"max_tokens": 200, "attention": "triton", "cuda_graphs": True, "compile": True}
+    default = _bf16_rollout(model, prompts, gens[0], graph_window=0, fused_projections=True, **options)
+    fine = _bf16_rollout(model, prompts, gens[1], graph_window=128, fused_projections=True, **options)
+    assert captured == [[199], [128, 199]]
     assert default.setup_s > 0 and fine.setup_s > 0
     assert torch.equal(default.responses, fine.responses)
     assert torch.equal(default.logprobs, fine.logprobs)

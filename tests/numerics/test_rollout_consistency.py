@@ -176,6 +176,21 @@ def test_step0_rollout_vs_trainer_float32(models, attention, fused_sampling, mon
     assert len(spy) == (11 if fused_sampling else 0)  # one race per decode step
 
 
+def test_decode_setup_time_and_the_window_of_the_resolved_attention(models, monkeypatch):
+    """The decoder resolves its graph window from the attention "auto" resolved to (dense on the CPU),
+    and the rollout records its decode setup time: positive when a decode loop ran, 0 for one-token
+    responses (no decode step)."""
+    from rollplex.rollout import decode
+
+    asked, resolve = [], decode.resolve_graph_window
+    monkeypatch.setattr(decode, "resolve_graph_window", lambda *a: asked.append(a) or resolve(*a))
+    model, _ = models
+    prompts = _prompts()
+    assert _rollout(model, prompts, _params(max_tokens=4)).setup_s > 0
+    assert asked == [(0, "dense")]
+    assert _rollout(model, prompts, _params(max_tokens=1)).setup_s == 0.0
+
+
 def test_eos_lengths_and_padding(models):
     model, _ = models
     prompts = _prompts()

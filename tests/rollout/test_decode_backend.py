@@ -9,7 +9,13 @@ import pytest
 import torch
 
 from rollplex.rollout import decode_kernel
-from rollplex.rollout.decode import DENSE_WINDOW, DecodeShape, _check_attention, graph_window
+from rollplex.rollout.decode import (
+    DENSE_WINDOW,
+    DecodeShape,
+    SamplingParams,
+    _check_attention,
+    resolve_graph_window,
+)
 
 CUDA, CPU = torch.device("cuda"), torch.device("cpu")  # a device object only: nothing runs on it
 
@@ -46,10 +52,17 @@ def test_explicit_backends_and_unknown_names():
 
 def test_graph_window_zero_is_the_attentions_own():
     """``rollout.graph_window: 0`` (the default): one own-key chunk of the fused kernel (512 keys), 128
-    with the dense attention; a positive setting is kept as given."""
-    assert graph_window(0, "triton") == decode_kernel.OWN_CHUNK == 512
-    assert graph_window(0, "dense") == DENSE_WINDOW == 128
-    assert graph_window(16, "triton") == graph_window(16, "dense") == 16
+    with the dense attention; a positive setting is kept as given; a negative one, or an attention not
+    yet resolved from "auto", is refused."""
+    assert resolve_graph_window(0, "triton") == decode_kernel.OWN_CHUNK == 512
+    assert resolve_graph_window(0, "dense") == DENSE_WINDOW == 128
+    assert resolve_graph_window(16, "triton") == resolve_graph_window(16, "dense") == 16
+    with pytest.raises(ValueError, match="resolved attention"):
+        resolve_graph_window(0, "auto")
+    with pytest.raises(ValueError, match="window >= 0"):
+        resolve_graph_window(-1, "dense")
+    with pytest.raises(ValueError, match="decode graph window -1"):
+        SamplingParams(1.0, 1.0, 0, 8, (1,), 0, torch.tensor([], dtype=torch.long), graph_window=-1)
 
 
 def test_compile_modes_are_built_once_and_unknown_modes_named(monkeypatch):

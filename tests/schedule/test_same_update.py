@@ -35,8 +35,8 @@ SCHEDULES = {
     },
     "auto": {"run.schedule": "auto"},
 }
-# timing prefixes: "gc_" the garbage collector's time and passes, "decode/" the decode step's setup time
-TIMING = ("time/", "eq1/", "schedule/", "gc_", "decode/")
+# timing prefixes ("gc_": the garbage collector's time and passes) and the decode step's setup time
+TIMING = ("time/", "eq1/", "schedule/", "gc_", "decode/setup_s")
 
 
 def green_capable() -> bool:
