@@ -83,7 +83,8 @@ serial-torch-checkpoint  serial with torch's non-reentrant checkpoint in every l
 both-torch-checkpoint both, likewise (compared with serial-torch-checkpoint)
 serial-window128      serial, the decode step captured per 128-token own-key window
                       (rollout.graph_window: 128; every other row: one graph per 512-key own-key
-                      chunk of the fused decode attention, the default)
+                      chunk of the fused decode attention, the default; with the dense decode
+                      attention, the CPU's, 128 is the default and the row equals serial)
 both-window128        both, likewise
 serial-again          serial once more: whether serial's own update is the same from run to run
                       (its parameter and optimizer differences are against serial's)
