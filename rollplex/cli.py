@@ -56,6 +56,9 @@ def _train(args: argparse.Namespace) -> None:
     if config is None:
         from rollplex.defaults import default_run_config
 
+        # the overrides checked against the default job first: a bad one fails in a fraction of a
+        # second, before the cache's check imports torch and the rest (about 4 s)
+        load_config(None, overrides, default_run_config(prepare=False))
         base = default_run_config()
     cfg = load_config(config, overrides, base)
     validate_for_training(cfg)

@@ -69,10 +69,25 @@ def test_train_with_config_file_and_overrides(tmp_path, paths, trained, monkeypa
 def test_train_without_config_uses_the_embedded_default(paths, trained, monkeypatch):
     model, train = paths
     base = {"model": {"path": str(model)}, "data": {"train_path": str(train)}, "run": {"steps": 7}}
-    _fake_module(monkeypatch, "rollplex.defaults", default_run_config=lambda: base)
+    _fake_module(monkeypatch, "rollplex.defaults", default_run_config=lambda prepare=True: base)
     assert main(["train", "run.seed=4"]) == 0
     ((cfg, resume),) = trained
     assert (cfg.run.steps, cfg.run.seed, resume) == (7, 4, False)
+
+
+def test_a_bad_override_of_the_default_job_fails_before_its_cache_is_prepared(trained, monkeypatch, capsys):
+    """The overrides are checked against the default job's settings before its cache is prepared (which
+    imports torch, transformers and PyAV, and may build the cache): one line, exit 2, nothing built."""
+    prepared = []
+
+    def default_run_config(prepare=True):
+        prepared.append(prepare)
+        return {"model": {"path": "cache/model"}, "data": {"train_path": "cache/data/train.json"}}
+
+    _fake_module(monkeypatch, "rollplex.defaults", default_run_config=default_run_config)
+    assert main(["train", "rollout.graph_window=-1"]) == 2
+    assert capsys.readouterr().err == "rollplex: error: rollout.graph_window=-1 must be >= 0\n"
+    assert prepared == [False] and trained == []
 
 
 def test_config_errors_print_one_line_and_exit_2(tmp_path, paths, trained, capsys):
