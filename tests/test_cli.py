@@ -69,10 +69,17 @@ def test_train_with_config_file_and_overrides(tmp_path, paths, trained, monkeypa
 def test_train_without_config_uses_the_embedded_default(paths, trained, monkeypatch):
     model, train = paths
     base = {"model": {"path": str(model)}, "data": {"train_path": str(train)}, "run": {"steps": 7}}
-    _fake_module(monkeypatch, "rollplex.defaults", default_run_config=lambda prepare=True: base)
+    prepared = []
+
+    def default_run_config(root=None, prepare=True):
+        prepared.append(prepare)
+        return base
+
+    _fake_module(monkeypatch, "rollplex.defaults", default_run_config=default_run_config)
     assert main(["train", "run.seed=4"]) == 0
     ((cfg, resume),) = trained
     assert (cfg.run.steps, cfg.run.seed, resume) == (7, 4, False)
+    assert prepared == [False, True]  # the overrides checked first, then the cache prepared
 
 
 def test_a_bad_override_of_the_default_job_fails_before_its_cache_is_prepared(trained, monkeypatch, capsys):
@@ -80,7 +87,7 @@ def test_a_bad_override_of_the_default_job_fails_before_its_cache_is_prepared(tr
     imports torch, transformers and PyAV, and may build the cache): one line, exit 2, nothing built."""
     prepared = []
 
-    def default_run_config(prepare=True):
+    def default_run_config(root=None, prepare=True):
         prepared.append(prepare)
         return {"model": {"path": "cache/model"}, "data": {"train_path": "cache/data/train.json"}}
 
