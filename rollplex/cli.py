@@ -340,7 +340,7 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     _add_workload_arguments(p, response_tokens=2)
     p.add_argument(
         "--variants",
-        help=f"comma-separated subset of {','.join(DECODE_VARIANTS)} (default all but the +autotune one)",
+        help=f"comma-separated subset of {','.join(DECODE_VARIANTS)} (default all but the +autotune and +window ones)",
     )
     p.add_argument(
         "--profile-steps",

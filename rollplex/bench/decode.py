@@ -13,7 +13,11 @@ with fused q/k/v and gate/up products (``+fused``), the fused sampling race (``+
 rollout.sample_kernel) and the gate/up product with its SiLU gate as one kernel (``+gate``,
 rollout.linear_kernel): the CUDA default, last of the default run; ``+autotune`` (on request only) is
 ``+sampling`` under torch.compile's max-autotune mode (``rollout.compile_mode``, measured slower on one
-H200). Decode time comes from the rollout's own timeline, which starts after capture/compilation.
+H200); ``+gate+window128`` and ``+gate+window512`` (on request only) are the default with its graphs'
+own-key window set (``rollout.graph_window``; the default, 0, is one 512-key chunk with the fused
+attention). Decode time comes from the rollout's own timeline, which starts after capture/compilation;
+each row's ``setup_s`` is the time before it (``RolloutBatch.setup_s``: building the step, warming it up
+and capturing its graphs; a process's first compiled variant also compiles there).
 """
 
 from __future__ import annotations
@@ -143,6 +147,7 @@ def run_decode_bench(cfg: DecodeBenchConfig, out: Path | None = None) -> DecodeB
             "ms_per_step": per_step * 1e3,
             "roofline_ms_per_step": roofline * 1e3,
             "roofline_ratio": per_step / roofline,
+            "setup_s": batch.setup_s,
         }
         print(f"  {name}: {per_step * 1e3:.3f} ms/step, {per_step / roofline:.2f}x roofline", flush=True)
     if cfg.profile_steps:
@@ -192,11 +197,12 @@ class _NoText:
 
 def _print(result: DecodeBenchResult) -> None:
     print(f"copy bandwidth {result.copy_bandwidth_gbps:.0f} GB/s, config {result.config}")
-    print(f"{'variant':16} {'ms/step':>10} {'roofline ms':>12} {'ratio':>8}")
+    print(f"{'variant':16} {'ms/step':>10} {'roofline ms':>12} {'ratio':>8} {'setup s':>8}")
     for name, row in result.rows.items():
         if "error" in row or "skipped" in row:
             print(f"{name:16} {row['error'] if 'error' in row else 'skipped: ' + row['skipped']}")
             continue
         print(
-            f"{name:16} {row['ms_per_step']:10.3f} {row['roofline_ms_per_step']:12.3f} {row['roofline_ratio']:8.2f}"
+            f"{name:16} {row['ms_per_step']:10.3f} {row['roofline_ms_per_step']:12.3f} "
+            f"{row['roofline_ratio']:8.2f} {row['setup_s']:8.3f}"
         )

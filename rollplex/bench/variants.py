@@ -3,7 +3,8 @@
 a row runs in; described in rollplex.bench.schedule), and the decode variants of ``rollplex bench
 decode``, ``SamplingParams`` options per name (eager; CUDA graphs; then torch.compile and the fused
 attention, alone and together; then fused projections, the fused sampling race and the gated gate/up
-kernel on top; then torch.compile's max-autotune mode, run only on request)."""
+kernel on top; then, run only on request, the last with its graphs' own-key window set to 128 or 512
+tokens, and torch.compile's max-autotune mode)."""
 
 DECODE_VARIANTS = {
     "eager": {"cuda_graphs": False, "attention": "dense"},
@@ -32,6 +33,26 @@ DECODE_VARIANTS = {
         "fused_sampling": True,
         "fused_gate": True,
     },
+    # the default variant with the own-key window of its graphs set (rollout.graph_window; 0 = one
+    # 512-key chunk): the setup each window costs, measured side by side (run on request)
+    "graphs+compile+triton+fused+sampling+gate+window128": {
+        "cuda_graphs": True,
+        "compile": True,
+        "attention": "triton",
+        "fused_projections": True,
+        "fused_sampling": True,
+        "fused_gate": True,
+        "graph_window": 128,
+    },
+    "graphs+compile+triton+fused+sampling+gate+window512": {
+        "cuda_graphs": True,
+        "compile": True,
+        "attention": "triton",
+        "fused_projections": True,
+        "fused_sampling": True,
+        "fused_gate": True,
+        "graph_window": 512,
+    },
     "graphs+compile+triton+fused+sampling+autotune": {
         "cuda_graphs": True,
         "compile": True,
@@ -42,9 +63,12 @@ DECODE_VARIANTS = {
     },
 }
 
-# the default run of ``rollplex bench decode``: every variant but the opt-in max-autotune one (its
-# compilation is slow, and measured slower), so the last, the profiled one, is the CUDA default
-DEFAULT_VARIANTS = tuple(name for name in DECODE_VARIANTS if not name.endswith("+autotune"))
+# the default run of ``rollplex bench decode``: every variant but the opt-in ones (max-autotune: its
+# compilation is slow, and measured slower; the set windows), so the last, the profiled one, is the CUDA
+# default
+DEFAULT_VARIANTS = tuple(
+    name for name in DECODE_VARIANTS if not name.endswith(("+autotune", "+window128", "+window512"))
+)
 
 _BOTH = {"run.schedule": "rollplex", "run.overlap": True, "run.prefill_fusion": True}
 _SUFFIX_ROWS = ("causal", "cascade", "sdpa", "flex")  # the suffix attention backends with rows of their own
