@@ -6,61 +6,23 @@ attention, alone and together; then fused projections, the fused sampling race a
 kernel on top; then, run only on request, the last with its graphs' own-key window set to 128 or 512
 tokens, and torch.compile's max-autotune mode)."""
 
+_FUSED = {"cuda_graphs": True, "compile": True, "attention": "triton", "fused_projections": True}
+_SAMPLING = {**_FUSED, "fused_sampling": True}
+_GATE = {**_SAMPLING, "fused_gate": True}  # the CUDA default
 DECODE_VARIANTS = {
     "eager": {"cuda_graphs": False, "attention": "dense"},
     "graphs": {"cuda_graphs": True, "attention": "dense"},
     "graphs+compile": {"cuda_graphs": True, "compile": True, "attention": "dense"},
     "graphs+triton": {"cuda_graphs": True, "attention": "triton"},
     "graphs+compile+triton": {"cuda_graphs": True, "compile": True, "attention": "triton"},
-    "graphs+compile+triton+fused": {
-        "cuda_graphs": True,
-        "compile": True,
-        "attention": "triton",
-        "fused_projections": True,
-    },
-    "graphs+compile+triton+fused+sampling": {
-        "cuda_graphs": True,
-        "compile": True,
-        "attention": "triton",
-        "fused_projections": True,
-        "fused_sampling": True,
-    },
-    "graphs+compile+triton+fused+sampling+gate": {
-        "cuda_graphs": True,
-        "compile": True,
-        "attention": "triton",
-        "fused_projections": True,
-        "fused_sampling": True,
-        "fused_gate": True,
-    },
+    "graphs+compile+triton+fused": _FUSED,
+    "graphs+compile+triton+fused+sampling": _SAMPLING,
+    "graphs+compile+triton+fused+sampling+gate": _GATE,
     # the default variant with the own-key window of its graphs set (rollout.graph_window; 0 = one
     # 512-key chunk): the setup each window costs, measured side by side (run on request)
-    "graphs+compile+triton+fused+sampling+gate+window128": {
-        "cuda_graphs": True,
-        "compile": True,
-        "attention": "triton",
-        "fused_projections": True,
-        "fused_sampling": True,
-        "fused_gate": True,
-        "graph_window": 128,
-    },
-    "graphs+compile+triton+fused+sampling+gate+window512": {
-        "cuda_graphs": True,
-        "compile": True,
-        "attention": "triton",
-        "fused_projections": True,
-        "fused_sampling": True,
-        "fused_gate": True,
-        "graph_window": 512,
-    },
-    "graphs+compile+triton+fused+sampling+autotune": {
-        "cuda_graphs": True,
-        "compile": True,
-        "compile_mode": "max-autotune",
-        "attention": "triton",
-        "fused_projections": True,
-        "fused_sampling": True,
-    },
+    "graphs+compile+triton+fused+sampling+gate+window128": {**_GATE, "graph_window": 128},
+    "graphs+compile+triton+fused+sampling+gate+window512": {**_GATE, "graph_window": 512},
+    "graphs+compile+triton+fused+sampling+autotune": {**_SAMPLING, "compile_mode": "max-autotune"},
 }
 
 # the default run of ``rollplex bench decode``: every variant but the opt-in ones (max-autotune: its
