@@ -356,10 +356,15 @@ class AttentionKernel:
     backward: Callable
 
 
+def _to_query_heads(x: torch.Tensor, heads: int, dtype: torch.dtype) -> torch.Tensor:
+    """[B, Hkv, K, D] -> [B, H, K, D] in ``dtype``: each key/value head repeated for its H/Hkv query
+    heads (grouped-query attention, as transformers' ``repeat_kv``)."""
+    return x.repeat_interleave(heads // x.shape[1], dim=1).to(dtype)
+
+
 def _math_scores(q, k, causal: bool, scale: float) -> torch.Tensor:
-    acc = torch.promote_types(q.dtype, torch.float32)
-    k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1).to(acc)
-    s = q.to(acc) @ k.transpose(-1, -2) * scale
+    """Scores [B, H, Q, K] in ``k``'s dtype, of q [B, H, Q, D] against k already on the query heads."""
+    s = q.to(k.dtype) @ k.transpose(-1, -2) * scale
     if causal:
         future = torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device).triu(1)
         s = s.masked_fill(future, float("-inf"))
@@ -367,10 +372,10 @@ def _math_scores(q, k, causal: bool, scale: float) -> torch.Tensor:
 
 
 def _math_forward(q, k, v, causal: bool, scale: float):
-    s = _math_scores(q, k, causal, scale)
+    acc, heads = torch.promote_types(q.dtype, torch.float32), q.shape[1]
+    s = _math_scores(q, _to_query_heads(k, heads, acc), causal, scale)
     lse = torch.logsumexp(s, dim=-1)
-    v = v.repeat_interleave(q.shape[1] // v.shape[1], dim=1).to(s.dtype)
-    return (torch.exp(s - lse[..., None]) @ v).to(q.dtype), lse, ()
+    return (torch.exp(s - lse[..., None]) @ _to_query_heads(v, heads, acc)).to(q.dtype), lse, ()
 
 
 def _math_backward(dout, q, k, v, out, lse, aux, causal: bool, scale: float):
@@ -378,18 +383,18 @@ def _math_backward(dout, q, k, v, out, lse, aux, causal: bool, scale: float):
     P = exp(S − lse) and Δ = rowsum(dO ⊙ O), dV = Pᵀ·dO, dS = P ⊙ (dO·Vᵀ − Δ), dQ = scale·dS·K and
     dK = scale·dSᵀ·Q (Dao, FlashAttention-2, 2023, Algorithm 2), key/value heads summed over their
     query heads."""
-    s = _math_scores(q, k, causal, scale)
-    rep, acc = q.shape[1] // k.shape[1], s.dtype
+    acc, heads = torch.promote_types(q.dtype, torch.float32), q.shape[1]
+    kk, vv = _to_query_heads(k, heads, acc), _to_query_heads(v, heads, acc)
+    s = _math_scores(q, kk, causal, scale)
     p = torch.exp(s - lse[..., None].to(acc))
     do = dout.to(acc)
-    vv = v.repeat_interleave(rep, dim=1).to(acc)
     delta = (do * out.to(acc)).sum(-1, keepdim=True)
     ds = p * (do @ vv.transpose(-1, -2) - delta) * scale
-    dq = ds @ k.repeat_interleave(rep, dim=1).to(acc)
+    dq = ds @ kk
     dk, dv = ds.transpose(-1, -2) @ q.to(acc), p.transpose(-1, -2) @ do
 
     def per_kv_head(x: torch.Tensor) -> torch.Tensor:
-        return x.unflatten(1, (k.shape[1], rep)).sum(2)
+        return x.unflatten(1, (k.shape[1], heads // k.shape[1])).sum(2)
 
     return dq.to(q.dtype), per_kv_head(dk).to(k.dtype), per_kv_head(dv).to(v.dtype)
 

@@ -41,14 +41,19 @@ def _inputs(prompt_lens: list[int], r: int) -> dict[str, torch.Tensor]:
     return {k: v.requires_grad_(True) for k, v in x.items()}
 
 
-def _run(attention, x: dict[str, torch.Tensor], prompt_lens: list[int], scale: float) -> dict:
-    plan = SuffixPlan(
+def _plan(x: dict[str, torch.Tensor], prompt_lens: list[int]) -> SuffixPlan:
+    """A one-layer plan over ``x``'s boundary keys and values, for groups of ``prompt_lens``."""
+    return SuffixPlan(
         [x["boundary_keys"]],
         [x["boundary_values"]],
         torch.tensor(prompt_lens),
         N,
         host_prompt_lens=tuple(prompt_lens),
     )
+
+
+def _run(attention, x: dict[str, torch.Tensor], prompt_lens: list[int], scale: float) -> dict:
+    plan = _plan(x, prompt_lens)
     out = attention(x["query"], x["own_keys"], x["own_values"], plan, 0, scale)
     weights = torch.linspace(-1, 1, out.numel(), dtype=out.dtype).reshape(out.shape)
     grads = torch.autograd.grad((out * weights).sum(), list(x.values()))
@@ -198,9 +203,7 @@ def test_cascade_with_a_detached_boundary():
     x = _inputs([3, 9], 4)
     for name in ("boundary_keys", "boundary_values"):
         x[name] = x[name].detach()
-    plan = SuffixPlan(
-        [x["boundary_keys"]], [x["boundary_values"]], torch.tensor([3, 9]), N, host_prompt_lens=(3, 9)
-    )
+    plan = _plan(x, [3, 9])
     leaves = [x["query"], x["own_keys"], x["own_values"]]
     out = cascade_shared_prefix_attention(*leaves, plan, 0, 0.3)
     got = torch.autograd.grad(out.sum(), leaves, retain_graph=True)
@@ -214,9 +217,7 @@ def test_cascade_with_a_detached_boundary():
 def test_the_cascade_backward_is_not_differentiated_twice():
     """A second-order gradient through the cascade attention is refused rather than wrong."""
     x = _inputs([4], 2)
-    plan = SuffixPlan(
-        [x["boundary_keys"]], [x["boundary_values"]], torch.tensor([4]), N, host_prompt_lens=(4,)
-    )
+    plan = _plan(x, [4])
     out = cascade_shared_prefix_attention(x["query"], x["own_keys"], x["own_values"], plan, 0, 0.3)
     (dq,) = torch.autograd.grad(out.square().sum(), [x["query"]], create_graph=True)
     with pytest.raises(RuntimeError, match="once_differentiable|marked with @once_differentiable"):
