@@ -27,6 +27,13 @@ def no_automatic_gc():
 
 
 @pytest.fixture(autouse=True)
+def _seeded_global_generator():
+    """Each test starts from torch's global generator seeded with 0, so a test that draws from it sees
+    the same numbers run alone (``-k``) as in the whole suite, whatever ran before it."""
+    torch.manual_seed(0)
+
+
+@pytest.fixture(autouse=True)
 def _fresh_vision_caches(monkeypatch):
     """Each test starts without kept vision layouts and chunk plans (models.vision_layout,
     models.attention keep them for the process), so what it counts does not depend on earlier tests."""

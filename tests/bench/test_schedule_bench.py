@@ -239,7 +239,8 @@ def test_a_deterministic_run_turns_on_torchs_deterministic_algorithms_first(monk
     workspace setting with them), the rows record run.deterministic, and serial-again repeats serial."""
     import rollplex.bench.schedule as schedule
 
-    monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)
+    monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", "")  # so that the teardown restores what was there
+    monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG")
     seen = []
     real = schedule._Workload.__init__
 
