@@ -260,7 +260,7 @@ def _add_workload_arguments(
 
 
 def _add_bench(sub: argparse._SubParsersAction) -> None:
-    from rollplex.bench.variants import DECODE_VARIANTS, MAIN_ROWS, ROWS, ROWS_HELP
+    from rollplex.bench.variants import DECODE_VARIANTS, MAIN_ROWS, ROWS_HELP
     from rollplex.config import COMPILE_MODES, DECODE_ATTENTION
 
     bench = sub.add_parser(
@@ -292,7 +292,7 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--steps", type=_at_least(1), help="timed iterations per schedule (default 2)")
     p.add_argument(
         "--rows",
-        help=f"comma-separated rows among {','.join(ROWS)} (default {','.join(MAIN_ROWS)})",
+        help=f"comma-separated rows, each explained below (default {','.join(MAIN_ROWS)})",
     )
     p.add_argument(
         "--compile-decode",
@@ -340,7 +340,7 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     _add_workload_arguments(p, response_tokens=2)
     p.add_argument(
         "--variants",
-        help=f"comma-separated subset of {','.join(DECODE_VARIANTS)} (default all but the +autotune and +window ones)",
+        help=f"comma-separated subset of {', '.join(DECODE_VARIANTS)} (default all but the +autotune and +window ones)",
     )
     p.add_argument(
         "--profile-steps",

@@ -470,3 +470,18 @@ def test_another_broken_pipe_is_an_error(monkeypatch):
     monkeypatch.setattr("rollplex.cli._train", broken)
     with pytest.raises(BrokenPipeError, match="worker"):
         main(["train"])
+
+
+def test_bench_help_never_breaks_a_row_or_variant_name(monkeypatch, capsys):
+    """``--rows`` points at the row list below it and ``--variants`` lists its names one word each, so
+    an 80-column help never splits a name at a hyphen (a line ending in "-") or inside it."""
+    from rollplex.bench.variants import DECODE_VARIANTS, ROWS
+
+    monkeypatch.setenv("COLUMNS", "80")
+    for command, names in (("schedule", ROWS), ("decode", DECODE_VARIANTS)):
+        with pytest.raises(SystemExit):
+            main(["bench", command, "--help"])
+        shown = capsys.readouterr().out
+        assert not [line for line in shown.splitlines() if line.endswith("-")], command
+        words = {w.strip(",()") for w in shown.split()}
+        assert not [name for name in names if name not in words], command
