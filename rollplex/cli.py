@@ -33,13 +33,17 @@ def split_train_args(items: Sequence[str]) -> tuple[str | None, list[str]]:
     """``[CONFIG] key=value ...`` → (config path or None, overrides).
 
     The first item is the config file when it has no ``=``. Raises ``ValueError`` for any later item
-    without ``=``.
+    without ``=``; where the item before it has no ``=`` either (``run.steps 5``), the message suggests
+    joining the two.
     """
     items = list(items)
     config = items.pop(0) if items and "=" not in items[0] else None
-    for item in items:
+    for before, item in zip([config, *items], items):
         if "=" not in item:
-            raise ValueError(f"expected section.field=value after the config file, got {item!r}")
+            hint = f" ({before}={item} without spaces?)" if before is not None and "=" not in before else ""
+            raise ValueError(
+                f"expected section.field=value after the config file {config!r}, got {item!r}{hint}"
+            )
     return config, items
 
 
@@ -336,7 +340,17 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
         help="decode attention backend (default auto: triton on CUDA)",
     )
     p.set_defaults(handler=_bench_schedule)
-    p = bench.add_parser("decode", help="the decode step against its memory roofline")
+    p = bench.add_parser(
+        "decode",
+        help="the decode step against its memory roofline",
+        description=(
+            "Time the rollout's decode step, per variant, against its memory roofline: the bytes one step\n"
+            "must read (the weights once, the boundary KV once per group, each response's own keys and\n"
+            "values) over the device's measured copy bandwidth. Every variant decodes the same prompts\n"
+            "from the same prefix. Without a GPU, --preset tiny runs it on the CPU as a check (no roofline)."
+        ),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     _add_workload_arguments(p, response_tokens=2)
     p.add_argument(
         "--variants",
@@ -355,14 +369,20 @@ def _add_train(sub: argparse._SubParsersAction) -> None:
         "train",
         help="run GRPO training",
         description=(
-            "Run GRPO training. With no config file it runs the embedded default job: a tiny "
-            "Qwen2.5-VL trained from scratch on synthetic videos, whose model and data are written "
-            "once into $ROLLPLEX_CACHE (default ~/.cache/rollplex); key=value overrides apply to it "
-            "too (e.g. rollplex train run.steps=50). The run folder is run.out_dir (runs/default for the "
-            "default job)."
+            "Run GRPO training. With no config file it runs the embedded default job: a tiny Qwen2.5-VL\n"
+            "trained from scratch on synthetic videos, whose model and data are written once into\n"
+            "$ROLLPLEX_CACHE (default ~/.cache/rollplex); key=value overrides apply to it too. The run\n"
+            "folder is run.out_dir (runs/default for the default job)."
         ),
-        epilog="examples: rollplex train | rollplex train configs/h200-3b-video.yaml model.path=... | "
-        "rollplex train --resume",
+        epilog=(
+            "examples:\n"
+            "  rollplex train                       the default job\n"
+            "  rollplex train run.steps=50          the default job, 50 steps\n"
+            "  rollplex train configs/h200-3b-video.yaml model.path=...\n"
+            "                                       a config file, one field overridden\n"
+            "  rollplex train --resume              continue the run in run.out_dir"
+        ),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument(
         "items",

@@ -221,7 +221,7 @@ def test_sigkill_during_save_leaves_previous_checkpoint_loadable(tmp_path):
             assert time.monotonic() < deadline, "child never reached the middle of the second save"
             time.sleep(0.05)
     finally:
-        os.kill(child.pid, signal.SIGKILL)  # also when the wait fails: no child left sleeping
+        child.kill()  # SIGKILL, also when the wait fails (no child left sleeping); nothing once it has exited
     assert child.wait(timeout=30) == -signal.SIGKILL
 
     root = run_dir / "checkpoints"

@@ -53,6 +53,10 @@ def test_split_train_args():
     assert split_train_args(["run.steps=3", "run.seed=1"]) == (None, ["run.steps=3", "run.seed=1"])
     with pytest.raises(ValueError, match="'b.yaml'"):
         split_train_args(["a.yaml", "b.yaml"])
+    with pytest.raises(ValueError, match=r"got '5' \(run.steps=5 without spaces\?\)$"):
+        split_train_args(["run.steps", "5"])  # a forgotten "=": the key was taken for the config file
+    with pytest.raises(ValueError, match=r"got '5'$"):  # no hint where the item before is an override
+        split_train_args(["a.yaml", "run.seed=1", "5"])
 
 
 def test_train_with_config_file_and_overrides(tmp_path, paths, trained, monkeypatch):
@@ -474,7 +478,8 @@ def test_another_broken_pipe_is_an_error(monkeypatch):
 
 def test_bench_help_never_breaks_a_row_or_variant_name(monkeypatch, capsys):
     """``--rows`` points at the row list below it and ``--variants`` lists its names one word each, so
-    an 80-column help never splits a name at a hyphen (a line ending in "-") or inside it."""
+    an 80-column help never splits a name at a hyphen (a line ending in "-") or inside it (the longest
+    variant, 51 characters, is split below about 78 columns)."""
     from rollplex.bench.variants import DECODE_VARIANTS, ROWS
 
     monkeypatch.setenv("COLUMNS", "80")

@@ -239,7 +239,9 @@ def test_a_deterministic_run_turns_on_torchs_deterministic_algorithms_first(monk
     workspace setting with them), the rows record run.deterministic, and serial-again repeats serial."""
     import rollplex.bench.schedule as schedule
 
-    monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", "")  # so that the teardown restores what was there
+    monkeypatch.setenv(
+        "CUBLAS_WORKSPACE_CONFIG", ""
+    )  # recorded even if absent: the teardown removes the run's value
     monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG")
     seen = []
     real = schedule._Workload.__init__

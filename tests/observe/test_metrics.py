@@ -332,7 +332,7 @@ def test_refreeze_frees_a_cycle_that_died_among_the_frozen_objects(no_automatic_
 def test_a_process_that_froze_its_heap_itself_keeps_it_frozen(no_automatic_gc):
     """Objects frozen before ``__enter__`` are someone else's: the clock neither freezes more nor
     unfreezes them. Told by what a full pass collects, not by ``gc.get_freeze_count()``, which drops
-    whenever reference counting frees one of the frozen objects (the test process's own, at any time)."""
+    whenever reference counting frees any frozen object, including ones the test did not create."""
     theirs = _kept_cycle()
     gc.freeze()
     try:
