@@ -402,11 +402,11 @@ def train(cfg: Config, resume: bool = False, overwrite: bool = False) -> Path:
     started = time.perf_counter()
     backend = _check_suffix_attention(cfg)  # before --overwrite clears anything
     _claim_run_dir(Path(cfg.run.out_dir), resume, overwrite)
+    ckpt = _resume_checkpoint(Path(cfg.run.out_dir)) if resume else None  # before anything is written or said
     chosen = "ROLLPLEX_SUFFIX_ATTENTION" if "ROLLPLEX_SUFFIX_ATTENTION" in os.environ else "the default here"
     log.info("suffix attention (how responses attend to their prompt's keys): %s, %s", backend, chosen)
     for why, fields in ignored_fields(cfg).items():
         log.warning("%s set, but %s: ignored", ", ".join(fields), why)
-    ckpt = _resume_checkpoint(Path(cfg.run.out_dir)) if resume else None  # before anything is written
     run = build_run(cfg)
     step = 0
     if ckpt is not None:

@@ -289,12 +289,17 @@ def test_a_bad_cascade_kernel_name_stops_the_run_before_it_writes(assets, tmp_pa
     assert not (tmp_path / "run").exists() or not any((tmp_path / "run").iterdir())
 
 
-def test_resume_without_a_checkpoint_writes_nothing(assets, tmp_path):
-    """``--resume`` on a folder without a checkpoint fails naming it, and leaves no folder behind."""
+def test_resume_without_a_checkpoint_writes_nothing(assets, tmp_path, caplog):
+    """``--resume`` on a folder without a checkpoint fails naming it, before any log line, and leaves no
+    folder behind."""
     cfg = _config(assets, tmp_path / "none", 1, **{"eval.every": 0, "data.val_path": ""})
-    with pytest.raises(ValueError, match="no checkpoint in"):
+    with (
+        caplog.at_level(logging.INFO, logger="rollplex"),
+        pytest.raises(ValueError, match="no checkpoint in"),
+    ):
         train(cfg, resume=True)
     assert not (tmp_path / "none").exists()
+    assert caplog.records == []
 
 
 def test_the_summary_says_when_the_layers_ran_uncompiled(assets, tmp_path, monkeypatch, caplog):
