@@ -239,9 +239,8 @@ def test_a_deterministic_run_turns_on_torchs_deterministic_algorithms_first(monk
     workspace setting with them), the rows record run.deterministic, and serial-again repeats serial."""
     import rollplex.bench.schedule as schedule
 
-    monkeypatch.setenv(
-        "CUBLAS_WORKSPACE_CONFIG", ""
-    )  # recorded even if absent: the teardown removes the run's value
+    # set first, so that an absent variable is recorded too and the teardown removes the run's value
+    monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", "")
     monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG")
     seen = []
     real = schedule._Workload.__init__
