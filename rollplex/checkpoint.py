@@ -31,6 +31,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from rollplex.files import make_readable
+
 CHECKPOINTS = "checkpoints"
 LATEST = "latest"
 MARKER = "checkpoint.json"
@@ -249,12 +251,3 @@ def set_rng_state(state: dict) -> None:
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
-
-
-def make_readable(folder: Path) -> None:
-    """Give the files under ``folder`` the permissions the umask allows (some writers create 0600 files)."""
-    mask = os.umask(0)
-    os.umask(mask)
-    for path in Path(folder).rglob("*"):
-        if path.is_file():
-            os.chmod(path, 0o666 & ~mask)

@@ -48,7 +48,7 @@ def split_train_args(items: Sequence[str]) -> tuple[str | None, list[str]]:
 
 
 def _train(args: argparse.Namespace) -> None:
-    from rollplex.config import format_config_help, load_config, validate_for_training
+    from rollplex.config import format_config_help, load_config
 
     if args.help_config:
         from rollplex.defaults import default_run_config
@@ -65,8 +65,7 @@ def _train(args: argparse.Namespace) -> None:
         load_config(None, overrides, default_run_config(prepare=False))
         base = default_run_config()
     cfg = load_config(config, overrides, base)
-    validate_for_training(cfg)
-    from rollplex.loop import train
+    from rollplex.loop import train  # it checks the run's paths and reward functions first
 
     train(cfg, resume=args.resume, overwrite=args.overwrite)
 

@@ -477,7 +477,8 @@ def _build_section(name: str, cls: type, values: dict) -> Any:
     return cls(**kwargs)
 
 
-def _conflict(a: str, va: Any, b: str, vb: Any, why: str) -> ConfigError:
+def conflict(a: str, va: Any, b: str, vb: Any, why: str) -> ConfigError:
+    """The error of two fields that conflict, naming both and their values (``a=va conflicts with b=vb: why``)."""
     return ConfigError(f"{a}={va!r} conflicts with {b}={vb!r}: {why}")
 
 
@@ -492,13 +493,13 @@ def _check_batching(r: RolloutConfig, a: AlgoConfig) -> None:
     """Mini-batches split the G groups evenly; micro-batches split each mini-batch evenly."""
     if r.prompts_per_step % a.mini_batches:
         why = "mini_batches must divide prompts_per_step"
-        raise _conflict(
+        raise conflict(
             "rollout.prompts_per_step", r.prompts_per_step, "algo.mini_batches", a.mini_batches, why
         )
     groups = r.prompts_per_step // a.mini_batches
     if a.micro_batch_groups and groups % a.micro_batch_groups:
         why = f"micro_batch_groups must divide the {groups} groups of each mini-batch (algo.mini_batches={a.mini_batches})"
-        raise _conflict(
+        raise conflict(
             "algo.micro_batch_groups",
             a.micro_batch_groups,
             "rollout.prompts_per_step",
@@ -508,36 +509,19 @@ def _check_batching(r: RolloutConfig, a: AlgoConfig) -> None:
 
 
 def _check_rewards(w: RewardConfig) -> None:
+    """The reward fields' syntax; that the named functions exist and that T-GRPO compares an accuracy is
+    checked with the run (``algo.rewards.check_reward_config``)."""
     if not w.functions:
         raise ConfigError("reward.functions must name at least one reward function")
     if len(set(w.functions)) != len(w.functions):
         raise ConfigError(f"reward.functions={w.functions!r} names a function twice")
     if w.weights and len(w.weights) != len(w.functions):
-        raise _conflict(
+        raise conflict(
             "reward.weights", w.weights, "reward.functions", w.functions, "need one weight per function"
         )
-    from rollplex.algo.rewards import ACCURACY_REWARDS, resolve_reward, temporal_reward_name  # torch-heavy
-
     if w.temporal_reward and w.temporal_reward not in w.functions:
         why = "T-GRPO compares a reward the run computes: name one of reward.functions"
-        raise _conflict("reward.temporal_reward", w.temporal_reward, "reward.functions", w.functions, why)
-    if w.temporal_reward and ":" not in w.temporal_reward and w.temporal_reward not in ACCURACY_REWARDS:
-        raise ConfigError(
-            f"reward.temporal_reward={w.temporal_reward!r} is not an accuracy: T-GRPO compares accuracies; "
-            f"name one of {list(ACCURACY_REWARDS)} or your own module:function"
-        )
-    if w.temporal_alpha > 0 and temporal_reward_name(w.functions, w.temporal_reward) is None:
-        why = (
-            f"the T-GRPO bonus compares accuracies: name one of {list(ACCURACY_REWARDS)}, or set "
-            "reward.temporal_reward to your own accuracy function"
-        )
-        raise _conflict("reward.temporal_alpha", w.temporal_alpha, "reward.functions", w.functions, why)
-
-    for name in w.functions:
-        try:
-            resolve_reward(name)
-        except ValueError as err:
-            raise ConfigError(f"reward.functions: {err}") from err
+        raise conflict("reward.temporal_reward", w.temporal_reward, "reward.functions", w.functions, why)
 
 
 def _check_conflicts(cfg: Config) -> None:
@@ -545,7 +529,7 @@ def _check_conflicts(cfg: Config) -> None:
     for lo, hi in _MIN_MAX:
         low, high = getattr(cfg.data, lo), getattr(cfg.data, hi)
         if low > high:
-            raise _conflict(f"data.{lo}", low, f"data.{hi}", high, "min exceeds max")
+            raise conflict(f"data.{lo}", low, f"data.{hi}", high, "min exceeds max")
     _check_batching(cfg.rollout, cfg.algo)
     _check_rewards(cfg.reward)
     _check_schedule(cfg)
@@ -555,22 +539,22 @@ def _check_schedule(cfg) -> None:
     """The rollplex schedule keeps prefixes computed under θ_k: one update per rollout batch."""
     if cfg.run.schedule != "serial" and cfg.algo.mini_batches != 1:
         why = "the rollplex schedule keeps actor prefixes of θ_k, so it allows one update per rollout batch"
-        raise _conflict("run.schedule", cfg.run.schedule, "algo.mini_batches", cfg.algo.mini_batches, why)
+        raise conflict("run.schedule", cfg.run.schedule, "algo.mini_batches", cfg.algo.mini_batches, why)
     if cfg.run.prefill_fusion and cfg.run.schedule == "serial":
         why = "prefill fusion is part of the rollplex schedule"
-        raise _conflict("run.prefill_fusion", True, "run.schedule", cfg.run.schedule, why)
+        raise conflict("run.prefill_fusion", True, "run.schedule", cfg.run.schedule, why)
     if cfg.run.prefix_sms and cfg.run.schedule != "rollplex":
         why = "SM partitioning is a rollplex-schedule policy (auto chooses among its own candidates)"
-        raise _conflict("run.prefix_sms", cfg.run.prefix_sms, "run.schedule", cfg.run.schedule, why)
+        raise conflict("run.prefix_sms", cfg.run.prefix_sms, "run.schedule", cfg.run.schedule, why)
     if cfg.run.prefix_sms and not cfg.run.overlap:
         why = "the SM limit applies to prefixes that run during decode"
-        raise _conflict("run.prefix_sms", cfg.run.prefix_sms, "run.overlap", False, why)
+        raise conflict("run.prefix_sms", cfg.run.prefix_sms, "run.overlap", False, why)
     if cfg.run.prefix_sms and not cfg.run.prefill_fusion:
         why = (
             "without prefill fusion the worker computes the attached actor prefix, whose backward would "
             "then run on the limited SMs too"
         )
-        raise _conflict("run.prefix_sms", cfg.run.prefix_sms, "run.prefill_fusion", False, why)
+        raise conflict("run.prefix_sms", cfg.run.prefix_sms, "run.prefill_fusion", False, why)
 
 
 def config_from_dict(data: dict) -> Config:
@@ -652,9 +636,7 @@ def validate_for_training(cfg: Config) -> None:
         if value and not exists(Path(value)):
             raise ConfigError(f"{name}={value!r} does not exist")
     if cfg.eval.every > 0 and not cfg.data.val_path:
-        raise _conflict(
-            "eval.every", cfg.eval.every, "data.val_path", "", "evaluation needs held-out records"
-        )
+        raise conflict("eval.every", cfg.eval.every, "data.val_path", "", "evaluation needs held-out records")
 
 
 def ignored_fields(cfg: Config) -> dict[str, list[str]]:

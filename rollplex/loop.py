@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from rollplex.algo.rewards import FORMAT_REWARDS, compared_values
+from rollplex.algo.rewards import FORMAT_REWARDS, check_reward_config, compared_values
 from rollplex.checkpoint import (
     latest_checkpoint,
     load_trainer_state,
@@ -40,6 +40,7 @@ from rollplex.data.encode import PromptBuilder
 from rollplex.data.loader import PromptSource
 from rollplex.data.records import load_records
 from rollplex.data.vision import ImageSampling, VideoSampling
+from rollplex.determinism import use_deterministic_algorithms
 from rollplex.models.attention import cascade_kernels
 from rollplex.models.compiled import compile_fallback, compiles_layers
 from rollplex.models.forward import enable_checkpointing, prepare_model, suffix_backend
@@ -149,19 +150,6 @@ class Run:
     updates_skipped: int = 0  # optimizer updates dropped for a gradient norm that is not finite, whole run
 
 
-# CUBLAS_WORKSPACE_CONFIG for deterministic cuBLAS (torch's reproducibility notes)
-CUBLAS_WORKSPACE = ":4096:8"
-
-
-def use_deterministic_algorithms() -> None:
-    """torch's deterministic algorithms for the rest of the process (``run.deterministic``): kernels
-    that accumulate with atomics (attention backward, ``index_add_``) are replaced by deterministic ones
-    or raise. Call before the first CUDA matrix product: cuBLAS reads ``CUBLAS_WORKSPACE_CONFIG`` (set
-    here to ``:4096:8`` unless already set) when the process creates its handle."""
-    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", CUBLAS_WORKSPACE)  # torch refuses determinism without it
-    torch.use_deterministic_algorithms(True)
-
-
 def _check_suffix_attention(cfg: Config) -> str:
     """The suffix attention backend of the run's device and dtype, ``ROLLPLEX_SUFFIX_ATTENTION``
     checked as the run starts (a job of one-token responses never reaches the suffix attention, so it
@@ -180,10 +168,10 @@ def _check_suffix_attention(cfg: Config) -> str:
 
 
 def build_run(cfg: Config) -> Run:
-    """Models, optimizer, sampling and data of a run (from ``cfg``; no checkpoint applied)."""
+    """Models, optimizer, sampling and data of a run (from ``cfg``, checked by ``train`` before; no
+    checkpoint applied)."""
     from transformers import AutoProcessor
 
-    validate_for_training(cfg)
     device = torch.device(resolve_device(cfg.run))
     dtype = resolve_dtype(cfg.run, device.type)
     seed_everything(cfg.run.seed)
@@ -400,7 +388,9 @@ def train(cfg: Config, resume: bool = False, overwrite: bool = False) -> Path:
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     _quiet_library_progress()
     started = time.perf_counter()
-    backend = _check_suffix_attention(cfg)  # before --overwrite clears anything
+    validate_for_training(cfg)  # once per run, before --overwrite clears anything
+    check_reward_config(cfg.reward)
+    backend = _check_suffix_attention(cfg)
     _claim_run_dir(Path(cfg.run.out_dir), resume, overwrite)
     ckpt = _resume_checkpoint(Path(cfg.run.out_dir)) if resume else None  # before anything is written or said
     chosen = "ROLLPLEX_SUFFIX_ATTENTION" if "ROLLPLEX_SUFFIX_ATTENTION" in os.environ else "the default here"

@@ -24,7 +24,13 @@ from rollplex.algo.kl import kl_penalty
 from rollplex.algo.losses import aggregate, policy_loss
 from rollplex.algo.rewards import accuracy_range, add_temporal_bonus, compute_rewards, temporal_reward_name
 from rollplex.config import Config, reward_weights, temporal_samples
-from rollplex.models.forward import merge_prefixes, prefix_forward, suffix_logprobs
+from rollplex.models.forward import (
+    detach_prefix,
+    merge_prefixes,
+    prefix_forward,
+    prefix_states,
+    suffix_logprobs,
+)
 from rollplex.models.transfer import to_device
 from rollplex.optim import MasterWeightAdamW
 from rollplex.rollout.engine import SamplingParams, generate
@@ -66,6 +72,35 @@ def rollout_prefix(roles: Roles, prompts: list[Prompt], sampling: SamplingParams
         banned_ids=roles.banned_ids,
         attached=False,
     )
+
+
+def actor_prefixes(roles: Roles, prompts: list[Prompt]) -> list[PrefixState]:
+    """The attached actor prefix of every group under θ_k, one state per group (each with its own graph,
+    so a micro-batch's backward reaches only its groups' prefixes)."""
+    return _group_prefixes(roles, roles.actor, prompts, attached=True)
+
+
+def reference_prefixes(roles: Roles, prompts: list[Prompt]) -> list[PrefixState]:
+    """The detached reference prefix of every group, one state per group."""
+    return _group_prefixes(roles, roles.reference, prompts, attached=False)
+
+
+def _group_prefixes(roles: Roles, model, prompts: list[Prompt], attached: bool) -> list[PrefixState]:
+    temperature, banned = roles.score_temperature, roles.banned_ids
+    return prefix_states(model, prompts, temperature=temperature, banned_ids=banned, attached=attached)
+
+
+def merged_reference(states: list[PrefixState]) -> PrefixState | None:
+    """The groups' reference prefixes as one PrefixState for ``reference_phase``; None without any (no
+    reference scoring)."""
+    return merge_prefixes(states) if states else None
+
+
+def decode_seed(actor: list[PrefixState]) -> PrefixState:
+    """Prefill fusion: the actor prefixes' boundaries, detached and merged, from which decode starts (the
+    rollout prefix it replaces is the same prompt pass under the same θ_k)."""
+    with torch.no_grad():
+        return merge_prefixes([detach_prefix(state) for state in actor])
 
 
 def rollout_phase(

@@ -109,7 +109,7 @@ class PrefixState:
         host_prompt_lens: the same G lengths on the host (the suffix attention slices each group's
             boundary by them without reading ``prompt_lens`` back).
         next_position: int64 [G], 3D position of the first response token of each group.
-        last_logprobs: float32 [G, V], log-probs (trainer definition, see rollout.sampler) at the last
+        last_logprobs: float32 [G, V], log-probs (trainer definition, see models.logprobs) at the last
             prompt position; they score the first response token.
         content_keys: the groups' ``Prompt.content_key``.
         attached: True for the actor prefix (autograd graph kept), False for detached prefixes.

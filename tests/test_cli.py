@@ -118,10 +118,12 @@ def test_config_errors_print_one_line_and_exit_2(tmp_path, paths, trained, capsy
     assert trained == []
 
 
-def test_missing_required_field_is_reported(tmp_path, trained, capsys):
+def test_missing_required_field_is_reported(tmp_path, capsys):
+    """The run's own check (``loop.train``) reports it, before the run folder is made."""
     config = tmp_path / "run.yaml"
-    config.write_text("run:\n  steps: 3\n")
+    config.write_text(f"run:\n  steps: 3\n  out_dir: {tmp_path / 'run'}\n")
     assert main(["train", str(config)]) == 2
+    assert not (tmp_path / "run").exists()
     assert capsys.readouterr().err == (
         "rollplex: error: model.path is required (got ''; a config file starts from the field defaults, "
         "not from the embedded default job: see rollplex train --help-config)\n"

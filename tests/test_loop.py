@@ -585,3 +585,27 @@ def test_the_last_line_gives_short_runs_in_seconds_and_longer_ones_in_minutes():
         "1.4 min",
         "60.0 min",
     ]
+
+
+def test_a_run_is_validated_once_before_it_writes(assets, tmp_path, monkeypatch):
+    """``rollplex train`` checks the run's fields (``validate_for_training``) and its reward functions
+    exactly once, in ``loop.train``, before anything is written: a bad reward name with --overwrite
+    leaves the earlier run in place."""
+    import rollplex.config
+    import rollplex.loop as loop
+    from rollplex.cli import main
+    from rollplex.config import save_config
+
+    calls = []
+    for module in (loop, rollplex.config):  # wherever a caller would take it from
+        real = module.validate_for_training
+        monkeypatch.setattr(
+            module, "validate_for_training", lambda cfg, real=real: calls.append(1) or real(cfg)
+        )
+    cfg = _config(assets, tmp_path / "run", 1, **{"eval.every": 0, "data.val_path": ""})
+    save_config(cfg, tmp_path / "run.yaml")
+    assert main(["train", str(tmp_path / "run.yaml")]) == 0
+    assert calls == [1]
+    before = (tmp_path / "run" / "metrics.jsonl").read_text()
+    assert main(["train", str(tmp_path / "run.yaml"), "reward.functions=[nosuch]", "--overwrite"]) == 2
+    assert calls == [1, 1] and (tmp_path / "run" / "metrics.jsonl").read_text() == before

@@ -41,7 +41,7 @@ def policy_loss(
 
     Args:
         logprobs: float32 [B, R], current policy log-probs (with gradient), nats.
-        old_logprobs: float32 [B, R], log-probs recorded at sampling (same definition, rollout.sampler).
+        old_logprobs: float32 [B, R], log-probs recorded at sampling (same definition, models.logprobs).
         advantages: float32 [B], one advantage per response, broadcast over its tokens.
         clip_low: epsilon_low in [0, 1). clip_high: epsilon_high >= 0.
         log_ratio_bound: > 0.
@@ -216,7 +216,7 @@ def mean_kl(kl_tok: torch.Tensor, mask: torch.Tensor, num_tokens: int | None = N
 def entropy_mean(
     entropy_tok: torch.Tensor, mask: torch.Tensor, num_tokens: int | None = None
 ) -> torch.Tensor:
-    """Mean per-token policy entropy (nats, rollout.sampler.entropy) over valid tokens; float32 scalar."""
+    """Mean per-token policy entropy (nats, models.logprobs.entropy) over valid tokens; float32 scalar."""
     return masked_mean(entropy_tok, mask, num_tokens)
 
 

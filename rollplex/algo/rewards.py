@@ -28,6 +28,7 @@ from typing import Any
 
 import torch
 
+from rollplex.config import ConfigError, RewardConfig, conflict
 from rollplex.types import Record, RewardResult, ShuffledAccuracy
 
 log = logging.getLogger(__name__)
@@ -430,6 +431,37 @@ def temporal_reward_name(functions: Sequence[str], chosen: str = "") -> str | No
     (``reward.temporal_reward``, any name in ``functions``, custom ones included), else the first
     built-in accuracy reward among ``functions`` (``ACCURACY_REWARDS``), else None."""
     return chosen or first_of_kind(functions, ACCURACY_REWARDS)
+
+
+def check_reward_config(reward: RewardConfig) -> None:
+    """The checks of the ``reward`` section that need the reward functions themselves (config.py checks
+    its syntax at load; the training run calls this before it writes anything): every name of
+    ``reward.functions`` resolves (``resolve_reward``), and T-GRPO compares an accuracy
+    (``reward.temporal_reward`` a built-in accuracy or a ``module:function``; with
+    ``reward.temporal_alpha`` > 0, some accuracy to compare).
+
+    Raises:
+        ConfigError: naming the field(s) and value(s) at fault.
+    """
+    chosen = reward.temporal_reward
+    if chosen and ":" not in chosen and chosen not in ACCURACY_REWARDS:
+        raise ConfigError(
+            f"reward.temporal_reward={chosen!r} is not an accuracy: T-GRPO compares accuracies; "
+            f"name one of {list(ACCURACY_REWARDS)} or your own module:function"
+        )
+    if reward.temporal_alpha > 0 and temporal_reward_name(reward.functions, chosen) is None:
+        why = (
+            f"the T-GRPO bonus compares accuracies: name one of {list(ACCURACY_REWARDS)}, or set "
+            "reward.temporal_reward to your own accuracy function"
+        )
+        raise conflict(
+            "reward.temporal_alpha", reward.temporal_alpha, "reward.functions", reward.functions, why
+        )
+    for name in reward.functions:
+        try:
+            resolve_reward(name)
+        except ValueError as err:
+            raise ConfigError(f"reward.functions: {err}") from err
 
 
 def compared_values(rewards: RewardResult, shuffled: ShuffledAccuracy) -> torch.Tensor:

@@ -49,6 +49,7 @@ from rollplex.bench.decode import copy_bandwidth, step_bytes
 from rollplex.bench.fingerprint import differing, first_difference, optimizer_fingerprints, step_fingerprints
 from rollplex.bench.variants import BASELINES, MAIN_ROWS, ROW_ENV, ROWS
 from rollplex.config import load_config
+from rollplex.determinism import use_deterministic_algorithms
 from rollplex.models.compiled import compile_fallback, compiled_scope, compiles_layers
 from rollplex.models.forward import enable_checkpointing, prepare_model, suffix_backend
 from rollplex.observe.metrics import GcClock, PhaseTimer
@@ -363,8 +364,6 @@ def run_schedule_bench(cfg: ScheduleBenchConfig, out: Path | None = None) -> Sch
     if repeated:
         raise ValueError(f"schedule rows given more than once: {repeated} (serial-again repeats serial)")
     if cfg.deterministic:
-        from rollplex.loop import use_deterministic_algorithms
-
         use_deterministic_algorithms()  # before the workload's first product (see its docstring)
     device = bench_device(cfg.preset)
     work = _Workload(cfg, device)

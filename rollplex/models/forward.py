@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from rollplex.config import VISION_ATTENTION
+from rollplex.hooks import spanned
 from rollplex.models import recompute
 from rollplex.models.attention import (
     ATTENTION_NAME,
@@ -39,13 +40,12 @@ from rollplex.models.compiled import (
     refuse_foreign_forwards,
     set_layer_compilation,
 )
+from rollplex.models.logprobs import entropy as entropy_of
+from rollplex.models.logprobs import token_logprobs
 from rollplex.models.positions import response_positions
 from rollplex.models.transfer import to_device
 from rollplex.models.vision_layout import vision_layout
 from rollplex.models.vision_mlp import set_vision_mlp_padding
-from rollplex.observe.metrics import profiled
-from rollplex.rollout.sampler import entropy as entropy_of
-from rollplex.rollout.sampler import token_logprobs
 from rollplex.types import PrefixState, Prompt
 
 
@@ -114,7 +114,7 @@ def enable_checkpointing(model, *, layer_recompute: bool = True) -> None:
         recompute.enable(model, fallback=functools.partial(checkpoint, **options))
 
 
-@profiled("rollplex/vision")
+@spanned("rollplex/vision")
 def _vision_output(model, pixels: torch.Tensor, grid_thw: torch.Tensor) -> torch.Tensor:
     """Merged vision embeddings [tokens, Hd] of all images (or all videos) of one prompt.
 
@@ -186,7 +186,7 @@ def _pad_stack(tensors: list[torch.Tensor], length: int) -> torch.Tensor:
     return torch.cat([F.pad(t, (0, 0, 0, length - t.shape[2])) for t in tensors], dim=0)
 
 
-@profiled("rollplex/prefix")
+@spanned("rollplex/prefix")
 def prefix_states(
     model, prompts: list[Prompt], *, temperature: float, banned_ids: torch.Tensor, attached: bool
 ) -> list[PrefixState]:
@@ -197,7 +197,7 @@ def prefix_states(
 
     Args:
         prompts: the G group prompts.
-        temperature: sampling temperature T of the log-prob definition (rollout.sampler.token_logprobs).
+        temperature: sampling temperature T of the log-prob definition (models.logprobs.token_logprobs).
         banned_ids: int64 [k] vision special ids excluded from the distribution (B05).
         attached: keep the autograd graph (actor prefix) or run without it (rollout, reference).
 
@@ -286,7 +286,7 @@ def prefix_forward(
         return merge_prefixes(states)
 
 
-@profiled("rollplex/suffix")
+@spanned("rollplex/suffix")
 def suffix_logprobs(
     model,
     prefix: PrefixState,

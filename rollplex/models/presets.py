@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 from transformers import GenerationConfig, Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
 
+from rollplex.files import make_readable
 from rollplex.models.tokenizer import EOS_TOKEN, added_token_ids, build_processor, vocab_size
 
 PRESETS = ("tiny", "qwen2.5-vl-3b", "qwen2.5-vl-7b", "qwen2.5-vl-32b")
@@ -260,8 +261,6 @@ def init_checkpoint(preset: str, out: Path, *, seed: int = 0, dtype: torch.dtype
     tmp = out.with_name(f".{out.name}.partial-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     from transformers.utils import logging as hf_logging
-
-    from rollplex.checkpoint import make_readable
 
     hf_logging.disable_progress_bar()
     try:

@@ -15,12 +15,13 @@ generation: ``GcClock``), ``val_accuracy`` and
 ``accuracy`` and ``val_accuracy`` stay the built-in accuracy) and ``temporal/bonus_group_fraction``
 (fraction of the video groups given the bonus).
 
-Profiler ranges: every phase (``rollplex/phase/<name>``; the rollplex schedule's Phase-1 rollout and
-worker-thread prefixes included), and the model work that ``profiled`` marks (``rollplex/prefix``,
-``rollplex/suffix``, ``rollplex/vision``), opens a ``torch.profiler.record_function`` range, so a
-torch.profiler trace of a run shows which part of the step launched each kernel (observe.idle charges
-idle device time to them). torch.profiler records the thread that started it; the worker thread's
-ranges show only where the profiler is set to record other threads too.
+Profiler ranges: every phase (``rollplex/phase/<name>``; the prefix-overlap schedule's Phase-1 rollout
+and worker-thread prefixes included), and the model work that models.forward marks
+(``rollplex/prefix``, ``rollplex/suffix``, ``rollplex/vision``), opens a trace span (``hooks.span``: a
+``torch.profiler.record_function`` range by default), so a torch.profiler trace of a run shows which
+part of the step launched each kernel (observe.idle charges idle device time to them). torch.profiler
+records the thread that started it; the worker thread's ranges show only where the profiler is set to
+record other threads too.
 
 Chrome trace: ``write_chrome_trace`` writes the Trace Event Format (complete events, ``"ph": "X"``,
 microseconds; https://docs.google.com/document/d/1CvAClvFfyA5R-PhYUmn5OOQtYMH4h6I0nSsKchNAySU), one
@@ -30,7 +31,6 @@ thread row per stream label; open it in Perfetto or chrome://tracing.
 from __future__ import annotations
 
 import contextlib
-import functools
 import gc
 import json
 import logging
@@ -44,9 +44,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO
 
-import torch
 from tqdm import tqdm
 
+from rollplex import hooks
 from rollplex.types import StepStats
 
 METRICS_FILE = "metrics.jsonl"
@@ -187,10 +187,10 @@ class PhaseTimer:
     @contextmanager
     def phase(self, name: str, stream: str = "main", count: bool = True) -> Iterator[None]:
         """Time the body as phase ``name`` on the trace row ``stream`` (and mark it as the profiler range
-        ``rollplex/phase/<name>``); ``count`` as in ``record``."""
+        ``rollplex/phase/<name>``, ``hooks.span``); ``count`` as in ``record``."""
         start = self._now()
         try:
-            with torch.profiler.record_function(f"rollplex/phase/{name}"):
+            with hooks.span(f"rollplex/phase/{name}"):
                 yield
         finally:
             self.record(name, start, self._now(), stream, count)
@@ -327,23 +327,6 @@ class GcClock:
         if self.frozen:
             gc.unfreeze()
             self.frozen = False
-
-
-def profiled(name: str) -> Callable[[Callable], Callable]:
-    """Decorator: each call of the function runs inside the profiler range ``name`` (a fresh
-    ``torch.profiler.record_function`` per call, so calls from several threads do not share one; the
-    range closes when the call returns or raises). Not for generator functions, whose body runs after
-    the call has returned."""
-
-    def wrap(fn: Callable) -> Callable:
-        @functools.wraps(fn)
-        def inner(*args, **kwargs):
-            with torch.profiler.record_function(name):
-                return fn(*args, **kwargs)
-
-        return inner
-
-    return wrap
 
 
 def chrome_trace(spans: list[Span], base: dict | None = None, resume_step: int | None = None) -> dict:

@@ -10,7 +10,7 @@ the host reads a round's "every row finished" flag to stop early (on CUDA the pr
 device never waits), and CUDA events at the round boundaries record how far decode had come when
 (``DecodeTimeline``).
 
-Log-probs are recorded with the trainer's definition (rollout.sampler.token_logprobs over the full
+Log-probs are recorded with the trainer's definition (models.logprobs.token_logprobs over the full
 vocabulary at the sampling temperature, vision ids banned: field cases B05, B08); the fused sampling
 race (rollout.sample_kernel, CUDA default) computes the same formula with float32 rounding of its own.
 Response lengths are recorded when a row samples an EOS id; the response mask comes from these

@@ -37,13 +37,16 @@ from dataclasses import asdict, dataclass, replace
 import torch
 
 from rollplex.config import Config
-from rollplex.models.forward import detach_prefix, merge_prefixes, prefix_states
-from rollplex.observe.metrics import profiled
+from rollplex.hooks import span, spanned
 from rollplex.phases import (
     ActorStats,
     Roles,
     actor_backward,
+    actor_prefixes,
+    decode_seed,
+    merged_reference,
     reference_phase,
+    reference_prefixes,
     reward_phase,
     rollout_phase,
     rollout_prefix,
@@ -138,13 +141,6 @@ def choose_policy(medians: dict[CoRunPolicy, float], tolerance: float = AUTO_TOL
     return next(p for p, span in finite.items() if span <= shortest * (1 + tolerance))
 
 
-def _actor_prefixes(roles: Roles, prompts: list[Prompt]) -> list[PrefixState]:
-    """The attached actor prefix of every group under θ_k."""
-    return prefix_states(
-        roles.actor, prompts, temperature=roles.score_temperature, banned_ids=roles.banned_ids, attached=True
-    )
-
-
 def _chunks(prompts: list[Prompt], size: int) -> list[list[Prompt]]:
     size = size if size > 0 else len(prompts)
     return [prompts[i : i + size] for i in range(0, len(prompts), size)]
@@ -164,19 +160,12 @@ def _prefixes(
     reference_states, actor_states = [], []
     for chunk in _chunks(prompts, chunk_groups):
         if uses_reference(roles):
-            reference_states += prefix_states(
-                roles.reference,
-                chunk,
-                temperature=roles.score_temperature,
-                banned_ids=roles.banned_ids,
-                attached=False,
-            )
+            reference_states += reference_prefixes(roles, chunk)
         if actor:
-            actor_states += _actor_prefixes(roles, chunk)
+            actor_states += actor_prefixes(roles, chunk)
         if chunk_groups:
             barrier() if barrier is not None else stream_sync(device)
-    reference = merge_prefixes(reference_states) if reference_states else None
-    return reference, actor_states if actor else None
+    return merged_reference(reference_states), actor_states if actor else None
 
 
 def _boundary_tensors(result: SideResult) -> list:
@@ -216,14 +205,14 @@ def _overlapped(
     n, sampling, device = roles.config.rollout.group_size, roles.sampling, roles.banned_ids.device
     stream = decode_stream(device) if policy.decode_priority and device.type == "cuda" else None
     carveout = policy.sm_carveout if sampling.cuda_graphs else 0  # eager decode would be carved out too
-    work = profiled("rollplex/phase/prefix")(lambda: side(worker.chunk_barrier))
+    work = spanned("rollplex/phase/prefix")(lambda: side(worker.chunk_barrier))
     worker = SideWork(work, device, sm_carveout=carveout, sms=policy.prefix_sms)
     start = timer.now()
     if seed is None:
         # the rollout prefill on the main stream, not the decode stream: the caching allocator reuses
         # freed memory only on the stream that allocated it, and Phase 2 runs on the main stream
         seed = rollout_prefix(roles, prompts, sampling)
-    with on_stream(stream), torch.profiler.record_function("rollplex/phase/rollout"):
+    with on_stream(stream), span("rollplex/phase/rollout"):
         try:
             rollout = rollout_phase(roles, prompts, n, sampling, prefix=seed, before_decode=worker.start)
         except BaseException:
@@ -243,9 +232,8 @@ def phase1(roles: Roles, prompts: list[Prompt], timer, policy: CoRunPolicy) -> P
     fused, seed = None, None
     if roles.config.run.prefill_fusion or roles.config.run.schedule == "auto":
         with timer.phase("prefix"):
-            fused = _actor_prefixes(roles, prompts)
-        with torch.no_grad():
-            seed = merge_prefixes([detach_prefix(state) for state in fused])
+            fused = actor_prefixes(roles, prompts)
+        seed = decode_seed(fused)
 
     def side(barrier=None):
         return _prefixes(roles, prompts, fused is None, policy.chunk_groups, barrier)

@@ -13,6 +13,7 @@ from rollplex.algo.rewards import (
     answer_accuracy_reward,
     answer_format_reward,
     answer_lead_reward,
+    check_reward_config,
     compute_rewards,
     extract_answer,
     format_reward,
@@ -23,6 +24,7 @@ from rollplex.algo.rewards import (
     temporal_reward_name,
     word_error_rate,
 )
+from rollplex.config import Config, ConfigError, load_config
 from rollplex.types import Record, RewardResult, ShuffledAccuracy
 
 
@@ -409,3 +411,81 @@ def test_compared_values_are_put_in_range():
     changed ones are counted."""
     values, count = accuracy_range(torch.tensor([0.5, 1.5, -0.2, float("nan"), 1.0, 0.0]))
     assert torch.equal(values, torch.tensor([0.5, 1.0, 0.0, 0.0, 1.0, 0.0])) and count == 3
+
+
+# ---------------------------------------------------------------- the run's check of the reward section
+
+
+def _checked(overrides: list[str]) -> Config:
+    """A config loaded with ``overrides`` and passed through the run's reward check."""
+    cfg = load_config(None, overrides)
+    check_reward_config(cfg.reward)
+    return cfg
+
+
+@pytest.mark.parametrize(
+    ("overrides", "needles"),
+    [
+        (["reward.functions=[nosuch]"], ["reward.functions", "'nosuch'", "built-in"]),
+        (
+            ["reward.functions=[no.such_module:fn]"],
+            ["reward.functions", "cannot be imported", "PYTHONPATH=."],
+        ),
+        (
+            ["reward.functions=[format]", "reward.temporal_alpha=0.3"],
+            [
+                "reward.temporal_alpha=0.3",
+                "reward.functions=['format']",
+                "accuracy",
+                "reward.temporal_reward",
+            ],
+        ),
+        (
+            ["reward.functions=[accuracy, format]", "reward.temporal_reward=format"],
+            ["reward.temporal_reward='format' is not an accuracy", "['accuracy', 'answer_accuracy']"],
+        ),
+    ],
+)
+def test_the_run_check_names_the_reward_fields(overrides, needles):
+    """The reward names load (config.py checks their syntax only) and fail the run's check, as a
+    ConfigError naming the field and value."""
+    cfg = load_config(None, overrides)
+    with pytest.raises(ConfigError) as info:
+        check_reward_config(cfg.reward)
+    for needle in needles:
+        assert needle in str(info.value)
+
+
+def test_reward_module_that_fails_to_import_is_a_config_error(tmp_path, monkeypatch):
+    """A reward module with a syntax error fails the run's check as a ConfigError naming the field, the
+    reward and the error type, not as a traceback."""
+    (tmp_path / "broken_reward.py").write_text("def score(text, record):\n    return (\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(ConfigError) as info:
+        _checked(["reward.functions=[broken_reward:score]"])
+    for needle in ("reward.functions", "broken_reward:score", "SyntaxError"):
+        assert needle in str(info.value)
+
+
+def test_only_a_reward_module_that_is_not_found_itself_suggests_pythonpath(tmp_path, monkeypatch):
+    """A module missing from the path gets the PYTHONPATH hint; a module that is found but imports a
+    missing dependency does not (the path is not what is wrong)."""
+    (tmp_path / "needs_a_dependency.py").write_text("import no_such_dependency\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(ConfigError) as found:
+        _checked(["reward.functions=[needs_a_dependency:score]"])
+    assert "no_such_dependency" in str(found.value) and "PYTHONPATH" not in str(found.value)
+    with pytest.raises(ConfigError) as missing:
+        _checked(["reward.functions=[not_on_the_path.rewards:score]"])
+    assert "PYTHONPATH=." in str(missing.value)
+
+
+def test_custom_reward_can_drive_t_grpo(tmp_path, monkeypatch):
+    """A run whose only accuracy reward is a custom function passes when reward.temporal_reward names it."""
+    (tmp_path / "my_accuracy.py").write_text("def score(text, record):\n    return 1.0\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    functions = "reward.functions=[my_accuracy:score, format]"
+    cfg = _checked([functions, "reward.temporal_alpha=0.3", "reward.temporal_reward=my_accuracy:score"])
+    assert cfg.reward.temporal_reward == "my_accuracy:score"
+    with pytest.raises(ConfigError, match="reward.temporal_reward"):
+        _checked([functions, "reward.temporal_alpha=0.3"])

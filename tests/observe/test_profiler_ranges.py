@@ -1,15 +1,18 @@
 """Profiler ranges: a torch.profiler trace of the model work shows which part of the step launched each
 operator (``rollplex/phase/<name>``, ``rollplex/prefix``, ``rollplex/vision``, ``rollplex/suffix``),
-one range per call."""
+one range per call; the spans reach whatever factory is installed (``hooks.set_span_factory``)."""
 
 from __future__ import annotations
+
+import contextlib
 
 import pytest
 import torch
 from torch.profiler import ProfilerActivity, profile
 
+from rollplex.hooks import span_factory, spanned
 from rollplex.models.forward import prefix_forward, suffix_logprobs
-from rollplex.observe.metrics import PhaseTimer, profiled
+from rollplex.observe.metrics import PhaseTimer
 from tests.numerics.conftest import BANNED
 
 
@@ -51,7 +54,7 @@ def test_model_work_runs_inside_its_ranges(tiny_video):
 def test_each_call_gets_its_own_range():
     """A fresh range per call, so nested (or concurrent) calls of one profiled function do not share one."""
 
-    @profiled("rollplex/test")
+    @spanned("rollplex/test")
     def work(depth: int) -> torch.Tensor:
         return torch.ones(4).sum() + (work(depth - 1) if depth else 0)
 
@@ -63,7 +66,7 @@ def test_each_call_gets_its_own_range():
 
 
 def test_a_range_closes_when_the_call_raises():
-    @profiled("rollplex/test")
+    @spanned("rollplex/test")
     def fails():
         raise RuntimeError("boom")
 
@@ -74,3 +77,35 @@ def test_a_range_closes_when_the_call_raises():
     after = [e for e in prof.events() if e.name == "aten::sum"]
     assert len([e for e in prof.events() if e.name == "rollplex/test"]) == 1
     assert after and all(e.cpu_parent is None or e.cpu_parent.name != "rollplex/test" for e in after)
+
+
+def test_an_installed_factory_receives_the_model_spans(tiny_video):
+    """Model code opens its spans through ``rollplex.hooks``: a factory installed there sees every one,
+    in call order, nested as called, and the default is back after the block."""
+    model, prompt = tiny_video
+    opened, depth = [], [0]
+
+    @contextlib.contextmanager
+    def recording(name):
+        opened.append((depth[0], name))
+        depth[0] += 1
+        try:
+            yield
+        finally:
+            depth[0] -= 1
+
+    timer = PhaseTimer()
+    with span_factory(recording), timer.phase("reference"), torch.no_grad():
+        prefix = prefix_forward(model, [prompt], temperature=1.0, banned_ids=BANNED, attached=False)
+        suffix_logprobs(
+            model, prefix, torch.tensor([[5, 6, 7]]), group_size=1, temperature=1.0, banned_ids=BANNED
+        )
+    assert opened == [
+        (0, "rollplex/phase/reference"),
+        (1, "rollplex/prefix"),
+        (2, "rollplex/vision"),
+        (1, "rollplex/suffix"),
+    ]
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        spanned("rollplex/test")(lambda: torch.ones(2).sum())()
+    assert [e.name for e in prof.events()].count("rollplex/test") == 1  # the default again
