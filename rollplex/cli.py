@@ -168,9 +168,12 @@ def _options(args: argparse.Namespace, names: tuple[str, ...]) -> dict:
 
 
 def _bench_prefix(args: argparse.Namespace) -> None:
+    from rollplex.bench.common import config_settings
     from rollplex.bench.prefix import PrefixBenchConfig, run_prefix_bench
+    from rollplex.bench.variants import PREFIX_CONFIG_FIELDS
 
     options = _options(args, (*WORKLOAD_FIELDS, "repeats"))
+    options.update(config_settings(args.overrides, PREFIX_CONFIG_FIELDS, "prefix"))
     if args.suffix_group_sizes is not None:
         options["suffix_group_sizes"] = args.suffix_group_sizes
     if args.parts is not None:
@@ -194,15 +197,19 @@ def _bench_schedule(args: argparse.Namespace) -> int:
         "deterministic",
     )
     options = _options(args, (*WORKLOAD_FIELDS, *extra))
+    options["overrides"] = tuple(args.overrides)
     if args.rows is not None:
         options["rows"] = tuple(row.strip() for row in args.rows.split(","))
     return _failed_rows(run_schedule_bench(ScheduleBenchConfig(**options), args.out).rows)
 
 
 def _bench_decode(args: argparse.Namespace) -> int:
+    from rollplex.bench.common import config_settings
     from rollplex.bench.decode import DecodeBenchConfig, run_decode_bench
+    from rollplex.bench.variants import DECODE_CONFIG_FIELDS
 
     options = _options(args, WORKLOAD_FIELDS)
+    options.update(config_settings(args.overrides, DECODE_CONFIG_FIELDS, "decode"))
     if args.variants is not None:
         options["variants"] = tuple(v.strip() for v in args.variants.split(","))
     if args.profile_steps:
@@ -221,10 +228,11 @@ def _failed_rows(rows: dict) -> int:
 
 
 def _add_workload_arguments(
-    p: argparse.ArgumentParser, group_size: int = 1, response_tokens: int = 1
+    p: argparse.ArgumentParser, overrides: str, group_size: int = 1, response_tokens: int = 1
 ) -> None:
-    """The workload options every benchmark shares; ``group_size`` and ``response_tokens`` are the
-    smallest N and R the benchmark runs with (GRPO needs two responses per group; decode, two tokens)."""
+    """The workload options every benchmark shares, and its config overrides (``overrides`` says what
+    they set); ``group_size`` and ``response_tokens`` are the smallest N and R the benchmark runs with
+    (GRPO needs two responses per group; decode, two tokens)."""
     from rollplex.config import COMPILE_SCOPES, VISION_ATTENTION
 
     p.add_argument("--preset", choices=PRESETS, help="model size (default qwen2.5-vl-3b)")
@@ -260,17 +268,29 @@ def _add_workload_arguments(
         "(default layer; model.compile_scope)",
     )
     p.add_argument("--out", type=Path, help="write the results as JSON here")
+    p.add_argument(
+        "overrides",
+        nargs="*",
+        metavar="KEY=VALUE",
+        help=f"config fields, as rollplex train takes them (section.field=value): {overrides}",
+    )
 
 
 def _add_bench(sub: argparse._SubParsersAction) -> None:
-    from rollplex.bench.variants import DECODE_VARIANTS, MAIN_ROWS, ROWS_HELP
+    from rollplex.bench.variants import (
+        DECODE_CONFIG_FIELDS,
+        DECODE_VARIANTS,
+        MAIN_ROWS,
+        PREFIX_CONFIG_FIELDS,
+        ROWS_HELP,
+    )
     from rollplex.config import COMPILE_MODES, DECODE_ATTENTION
 
     bench = sub.add_parser(
         "bench", help="benchmarks, measured side by side (GPU workloads; --preset tiny on the CPU)"
     ).add_subparsers(dest="bench_command", required=True)
     p = bench.add_parser("prefix", help="prefix + suffix vs naive per-sequence scoring and training")
-    _add_workload_arguments(p)
+    _add_workload_arguments(p, ", ".join(PREFIX_CONFIG_FIELDS))
     p.add_argument("--repeats", type=_at_least(1), help="timed repeats after one warm-up (default 1)")
     p.add_argument(
         "--suffix-group-sizes", type=_counts, help="N values of the suffix-memory sweep (default 4,8,16)"
@@ -286,7 +306,12 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
         epilog=ROWS_HELP,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    _add_workload_arguments(p, group_size=2)
+    _add_workload_arguments(
+        p,
+        "applied to every row's config after the options; a row's own settings win; not the workload's "
+        "shape, run, data or eval fields",
+        group_size=2,
+    )
     p.add_argument(
         "--warmup",
         type=_at_least(0),
@@ -330,8 +355,7 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
         action="store_true",
         default=None,
         help="torch's deterministic algorithms for the whole run (run.deterministic), so that rows can be "
-        "compared bitwise (on one H200 at the 3B shape, both ended with serial's update bitwise, its steps "
-        "1.3-1.5x as long as the default kernels')",
+        "compared bitwise (slower steps: benchmarks/README.md)",
     )
     p.add_argument(
         "--decode-attention",
@@ -350,7 +374,7 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
         ),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    _add_workload_arguments(p, response_tokens=2)
+    _add_workload_arguments(p, ", ".join(DECODE_CONFIG_FIELDS), response_tokens=2)
     p.add_argument(
         "--variants",
         help=f"comma-separated subset of {', '.join(DECODE_VARIANTS)} (default all but the +autotune and +window ones)",
@@ -377,7 +401,7 @@ def _add_train(sub: argparse._SubParsersAction) -> None:
             "examples:\n"
             "  rollplex train                       the default job\n"
             "  rollplex train run.steps=50          the default job, 50 steps\n"
-            "  rollplex train configs/h200-3b-video.yaml model.path=...\n"
+            "  rollplex train configs/qwen2.5-vl-3b-video.yaml model.path=...\n"
             "                                       a config file, one field overridden\n"
             "  rollplex train --resume              continue the run in run.out_dir"
         ),
@@ -485,8 +509,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     """
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
-    if extra and args.command == "train" and all("=" in item for item in extra):
-        args.items = [*args.items, *extra]  # key=value overrides may follow --resume / --overwrite
+    listed = {"train": "items", "bench": "overrides"}.get(args.command)
+    if extra and listed is not None and all("=" in item for item in extra):
+        # key=value overrides may follow options (--resume, --out ...)
+        setattr(args, listed, [*getattr(args, listed), *extra])
     elif extra:
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
     try:

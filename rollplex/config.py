@@ -1,7 +1,7 @@
 """Typed run configuration: declared once, validated at load.
 
-A ``Config`` has eight sections (``run``, ``model``, ``data``, ``rollout``, ``algo``, ``reward``,
-``optim``, ``eval``), each a keyword-only dataclass. Every field has a default and a one-line
+A ``Config`` has nine sections (``run``, ``schedule``, ``model``, ``data``, ``rollout``, ``algo``,
+``reward``, ``optim``, ``eval``), each a keyword-only dataclass. Every field has a default and a one-line
 description with units in ``dataclasses.field(metadata={"help": ...})``; range limits and choices sit
 in the same metadata, so ``rollplex train --help-config`` and the validator read one table.
 
@@ -57,6 +57,10 @@ VISION_ATTENTION = ("per_chunk", "batched")  # model.vision_attention (models.fo
 DECODE_ATTENTION = ("auto", "dense", "triton")  # rollout.decode_attention (rollout.decode.StaticDecoder)
 COMPILE_SCOPES = ("layer", "parts")  # model.compile_scope (models.compiled)
 COMPILE_MODES = ("default", "max-autotune")  # rollout.compile_mode (rollout.decode._compiled_layer)
+SCHEDULES = ("serial", "rollplex", "auto")  # schedule.kind (schedule.make_step)
+# model.suffix_attention (models.forward.suffix_backend; auto = the device and dtype's default)
+SUFFIX_ATTENTION = ("auto", "dense", "causal", "cascade", "sdpa", "flex")
+CASCADE_KERNELS = ("math", "flash", "cudnn")  # model.cascade_kernels (models.attention.ATTENTION_KERNELS)
 
 
 @dataclass(kw_only=True)
@@ -78,16 +82,28 @@ class RunConfig:
     )
     deterministic: bool = _field(
         False,
-        "use deterministic torch algorithms: bitwise-repeatable updates (steps 1.3-1.5x as long on one H200, 3B)",
+        "use deterministic torch algorithms: bitwise-repeatable updates, slower steps (benchmarks/README.md)",
     )
-    schedule: str = _field(
+    progress: bool = _field(True, "show a progress bar with ETA")
+    log_every: int = _field(
+        10,
+        "steps between one-line metrics summaries in the log when run.progress is off (metrics.jsonl has every step)",
+        ge=1,
+    )
+
+
+@dataclass(kw_only=True)
+class ScheduleConfig:
+    """The order and concurrency of one iteration's phases (schedule/); none of them changes the update."""
+
+    kind: str = _field(
         "serial",
         "phase schedule of one iteration: serial (phases one after another), rollplex (reference and "
         "actor prefixes computed before the responses exist, during decode, and kept for their "
         "suffixes) or auto (rollplex with prefill fusion; the first steps try each co-running policy "
         "and keep the first, in the order prefixes after decode, overlap with priority, chunked, SM "
         "carve-out, whose span is within 1% of the fastest)",
-        choices=("serial", "rollplex", "auto"),
+        choices=SCHEDULES,
     )
     prefill_fusion: bool = _field(
         False, "rollplex schedule: the actor's attached prefix under the current weights also seeds decode"
@@ -113,20 +129,14 @@ class RunConfig:
     prefix_sms: int = _field(
         0,
         "rollplex overlap with prefill fusion: streaming multiprocessors the reference prefix's kernels may "
-        "use while decode runs (a CUDA green context; the driver rounds up, to a multiple of 8 on an H200). "
-        "With prefix_chunk_groups, chunks issued after decode ends get every SM; without, the whole prefix "
-        "stays on the limited SMs. 0 = all; off, with a warning, where torch, cuda.bindings or the driver "
-        "lacks green contexts or the rounded count is not below the device's. rollplex schedule only (auto "
-        "does not try it)",
+        "use while decode runs (a CUDA green context; the driver rounds the count up to its own "
+        "granularity). With prefix_chunk_groups, chunks issued after decode ends get every SM; without, "
+        "the whole prefix stays on the limited SMs. 0 = all; off, with a warning, where torch, "
+        "cuda.bindings or the driver lacks green contexts or the rounded count is not below the device's. "
+        "rollplex schedule only (auto does not try it)",
         ge=0,
     )
     auto_trials: int = _field(2, "auto schedule: trial steps per co-running policy before it keeps one", ge=1)
-    progress: bool = _field(True, "show a progress bar with ETA")
-    log_every: int = _field(
-        10,
-        "steps between one-line metrics summaries in the log when run.progress is off (metrics.jsonl has every step)",
-        ge=1,
-    )
 
 
 @dataclass(kw_only=True)
@@ -141,13 +151,13 @@ class ModelConfig:
     layer_recompute: bool = _field(
         True,
         "with gradient_checkpointing: the prefix and vision layers' forward runs without autograd and the "
-        "layer is recomputed with it in backward (about 28 ms less per group's actor prefix on one H200 at "
-        "3B); false: torch's non-reentrant checkpoint in every layer",
+        "layer is recomputed with it in backward (a shorter actor prefix than torch's checkpoint: "
+        "benchmarks/README.md); false: torch's non-reentrant checkpoint in every layer",
     )
     vision_attention: str = _field(
         "batched",
         "vision tower attention over its windows and frames: batched (one SDPA call per distinct window "
-        "length; 2.2x faster actor prefix on one H200) or per_chunk (transformers' backend, one call per window)",
+        "length) or per_chunk (transformers' backend, one call per window; slower: benchmarks/README.md)",
         choices=VISION_ATTENTION,
     )
     vision_mlp_padding: bool = _field(
@@ -167,6 +177,21 @@ class ModelConfig:
         "block, two graphs around its attention call) or parts (its norms, attention module and MLP apart, "
         "five graphs; more host work per layer)",
         choices=COMPILE_SCOPES,
+    )
+    suffix_attention: str = _field(
+        "auto",
+        "how scored responses attend to their prompt's keys and their own: auto (causal on CUDA in "
+        "bf16/fp16, sdpa on CUDA in other dtypes, dense elsewhere), dense (exact reference, score tensors "
+        "in memory), causal (per group, one SDPA call with a bottom-right causal mask: flash attention), "
+        "cascade (boundary and own keys as two attentions merged by log-sum-exp), sdpa (one masked SDPA "
+        "call per layer) or flex (flex_attention, CUDA only)",
+        choices=SUFFIX_ATTENTION,
+    )
+    cascade_kernels: str = _field(
+        "auto",
+        "with suffix_attention cascade: the kernels of its boundary and own-key parts, BOUNDARY,OWN, each "
+        "one of math|flash|cudnn (e.g. cudnn,flash); auto = cudnn,flash on CUDA in bf16/fp16 (flash,flash "
+        "under run.deterministic), math,math elsewhere",
     )
 
 
@@ -342,6 +367,7 @@ class Config:
     """The whole run configuration; see each section's fields."""
 
     run: RunConfig = field(default_factory=RunConfig)
+    schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
@@ -382,12 +408,32 @@ def _section_types() -> dict[str, type]:
     return {f.name: typing.get_type_hints(Config)[f.name] for f in dataclasses.fields(Config)}
 
 
+# keys of earlier releases and where their settings are now (a config file that sets one is told)
+MOVED = {
+    "run.schedule": "schedule.kind",
+    **{
+        f"run.{name}": f"schedule.{name}"
+        for name in (
+            "prefill_fusion",
+            "overlap",
+            "decode_priority",
+            "prefix_chunk_groups",
+            "prefix_sm_carveout",
+            "prefix_sms",
+            "auto_trials",
+        )
+    },
+}
+
+
 def _merge(into: dict, update: Any, path: str) -> None:
     """Deep-merge ``update`` into ``into`` (both nested dicts of known keys); unknown keys raise."""
     if not isinstance(update, dict):
         raise ConfigError(f"{path or 'config'}: expected a mapping, got {update!r}")
     for key, value in update.items():
         sub = f"{path}.{key}" if path else str(key)
+        if key not in into and sub in MOVED:
+            raise ConfigError(f"unknown config key {sub!r}: it is {MOVED[sub]} now")
         if key not in into:
             known = ", ".join(into)
             raise ConfigError(f"unknown config key {sub!r} (known here: {known})")
@@ -533,28 +579,47 @@ def _check_conflicts(cfg: Config) -> None:
     _check_batching(cfg.rollout, cfg.algo)
     _check_rewards(cfg.reward)
     _check_schedule(cfg)
+    cascade_kernel_names(cfg.model.cascade_kernels)
 
 
-def _check_schedule(cfg) -> None:
+def _check_schedule(cfg: Config) -> None:
     """The rollplex schedule keeps prefixes computed under θ_k: one update per rollout batch."""
-    if cfg.run.schedule != "serial" and cfg.algo.mini_batches != 1:
+    sched = cfg.schedule
+    if sched.kind != "serial" and cfg.algo.mini_batches != 1:
         why = "the rollplex schedule keeps actor prefixes of θ_k, so it allows one update per rollout batch"
-        raise conflict("run.schedule", cfg.run.schedule, "algo.mini_batches", cfg.algo.mini_batches, why)
-    if cfg.run.prefill_fusion and cfg.run.schedule == "serial":
+        raise conflict("schedule.kind", sched.kind, "algo.mini_batches", cfg.algo.mini_batches, why)
+    if sched.prefill_fusion and sched.kind == "serial":
         why = "prefill fusion is part of the rollplex schedule"
-        raise conflict("run.prefill_fusion", True, "run.schedule", cfg.run.schedule, why)
-    if cfg.run.prefix_sms and cfg.run.schedule != "rollplex":
+        raise conflict("schedule.prefill_fusion", True, "schedule.kind", sched.kind, why)
+    if sched.prefix_sms and sched.kind != "rollplex":
         why = "SM partitioning is a rollplex-schedule policy (auto chooses among its own candidates)"
-        raise conflict("run.prefix_sms", cfg.run.prefix_sms, "run.schedule", cfg.run.schedule, why)
-    if cfg.run.prefix_sms and not cfg.run.overlap:
+        raise conflict("schedule.prefix_sms", sched.prefix_sms, "schedule.kind", sched.kind, why)
+    if sched.prefix_sms and not sched.overlap:
         why = "the SM limit applies to prefixes that run during decode"
-        raise conflict("run.prefix_sms", cfg.run.prefix_sms, "run.overlap", False, why)
-    if cfg.run.prefix_sms and not cfg.run.prefill_fusion:
+        raise conflict("schedule.prefix_sms", sched.prefix_sms, "schedule.overlap", False, why)
+    if sched.prefix_sms and not sched.prefill_fusion:
         why = (
             "without prefill fusion the worker computes the attached actor prefix, whose backward would "
             "then run on the limited SMs too"
         )
-        raise conflict("run.prefix_sms", cfg.run.prefix_sms, "run.prefill_fusion", False, why)
+        raise conflict("schedule.prefix_sms", sched.prefix_sms, "schedule.prefill_fusion", False, why)
+
+
+def cascade_kernel_names(text: str) -> tuple[str, str] | None:
+    """``model.cascade_kernels`` as its (boundary part, own part) kernel names; None for auto.
+
+    Raises:
+        ConfigError: ``text`` is neither auto nor two of ``CASCADE_KERNELS`` joined by a comma.
+    """
+    if text == "auto":
+        return None
+    names = tuple(text.split(","))
+    if len(names) != 2 or not set(names) <= set(CASCADE_KERNELS):
+        raise ConfigError(
+            f"model.cascade_kernels={text!r}: expected auto or BOUNDARY,OWN (the kernels of the boundary "
+            f"part and of the own-keys part), each one of {'|'.join(CASCADE_KERNELS)}, e.g. cudnn,flash"
+        )
+    return names
 
 
 def config_from_dict(data: dict) -> Config:
@@ -642,8 +707,9 @@ def validate_for_training(cfg: Config) -> None:
 def ignored_fields(cfg: Config) -> dict[str, list[str]]:
     """Fields set away from their default that take no effect, by the setting that makes them so:
     T-GRPO's ``reward.temporal_mu``, ``reward.temporal_samples`` and ``reward.temporal_reward`` while
-    ``reward.temporal_alpha`` is 0, and ``model.compile_scope`` while ``model.compile_layers`` is off
-    (``loop.train`` warns about them)."""
+    ``reward.temporal_alpha`` is 0, ``model.compile_scope`` while ``model.compile_layers`` is off, and
+    ``model.cascade_kernels`` while ``model.suffix_attention`` is not cascade (``loop.train`` warns about
+    them)."""
     ignored: dict[str, list[str]] = {}
     if cfg.reward.temporal_alpha == 0:
         default = RewardConfig()
@@ -653,6 +719,10 @@ def ignored_fields(cfg: Config) -> dict[str, list[str]]:
             ignored["T-GRPO is off (reward.temporal_alpha=0)"] = fields
     if not cfg.model.compile_layers and cfg.model.compile_scope != ModelConfig().compile_scope:
         ignored["the layers are not compiled (model.compile_layers=false)"] = ["model.compile_scope"]
+    model = cfg.model
+    if model.suffix_attention != "cascade" and model.cascade_kernels != ModelConfig().cascade_kernels:
+        why = f"the suffix attention is not cascade (model.suffix_attention={model.suffix_attention})"
+        ignored[why] = ["model.cascade_kernels"]
     return ignored
 
 

@@ -8,7 +8,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
-import os
 import random
 import shutil
 import time
@@ -41,7 +40,6 @@ from rollplex.data.loader import PromptSource
 from rollplex.data.records import load_records
 from rollplex.data.vision import ImageSampling, VideoSampling
 from rollplex.determinism import use_deterministic_algorithms
-from rollplex.models.attention import cascade_kernels
 from rollplex.models.compiled import compile_fallback, compiles_layers
 from rollplex.models.forward import enable_checkpointing, prepare_model, suffix_backend
 from rollplex.models.positions import VisionTokens
@@ -151,20 +149,16 @@ class Run:
 
 
 def _check_suffix_attention(cfg: Config) -> str:
-    """The suffix attention backend of the run's device and dtype, ``ROLLPLEX_SUFFIX_ATTENTION``
-    checked as the run starts (a job of one-token responses never reaches the suffix attention, so it
-    would not fail there).
+    """The suffix attention backend of the run's device and dtype (``model.suffix_attention``), checked
+    as the run starts (a job of one-token responses never reaches the suffix attention, so it would not
+    fail there).
 
     Raises:
-        ValueError: an unknown backend, or one the device cannot run (``models.forward.suffix_backend``),
-            or, for cascade, a bad ``ROLLPLEX_CASCADE_KERNELS`` (``models.attention.cascade_kernels``).
+        ValueError: a backend the device cannot run (``models.forward.suffix_backend``).
     """
     device = torch.device(resolve_device(cfg.run))
     dtype = resolve_dtype(cfg.run, device.type)
-    backend = suffix_backend(device, dtype)
-    if backend == "cascade":
-        cascade_kernels(device, dtype)  # $ROLLPLEX_CASCADE_KERNELS checked now, not in the first step
-    return backend
+    return suffix_backend(device, dtype, cfg.model.suffix_attention)
 
 
 def build_run(cfg: Config) -> Run:
@@ -382,7 +376,7 @@ def train(cfg: Config, resume: bool = False, overwrite: bool = False) -> Path:
         ConfigError / DatasetError (ValueError): bad config, unreadable dataset or nothing usable left,
             or a run folder that already holds a run (without ``resume`` or ``overwrite``).
         ValueError: ``resume`` without a checkpoint, or with one of the other schedule (auto against
-            rollplex); a ``ROLLPLEX_SUFFIX_ATTENTION`` that cannot run on the run's device
+            rollplex); a ``model.suffix_attention`` that cannot run on the run's device
             (``models.forward.suffix_backend``).
     """
     logging.basicConfig(level=logging.INFO, format="%(message)s")
@@ -393,7 +387,9 @@ def train(cfg: Config, resume: bool = False, overwrite: bool = False) -> Path:
     backend = _check_suffix_attention(cfg)
     _claim_run_dir(Path(cfg.run.out_dir), resume, overwrite)
     ckpt = _resume_checkpoint(Path(cfg.run.out_dir)) if resume else None  # before anything is written or said
-    chosen = "ROLLPLEX_SUFFIX_ATTENTION" if "ROLLPLEX_SUFFIX_ATTENTION" in os.environ else "the default here"
+    chosen = (
+        "the device and dtype's default" if cfg.model.suffix_attention == "auto" else "model.suffix_attention"
+    )
     log.info("suffix attention (how responses attend to their prompt's keys): %s, %s", backend, chosen)
     for why, fields in ignored_fields(cfg).items():
         log.warning("%s set, but %s: ignored", ", ".join(fields), why)

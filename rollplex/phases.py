@@ -24,7 +24,9 @@ from rollplex.algo.kl import kl_penalty
 from rollplex.algo.losses import aggregate, policy_loss
 from rollplex.algo.rewards import accuracy_range, add_temporal_bonus, compute_rewards, temporal_reward_name
 from rollplex.config import Config, reward_weights, temporal_samples
+from rollplex.models.attention import SuffixAttention
 from rollplex.models.forward import (
+    AUTO_SUFFIX_ATTENTION,
     detach_prefix,
     merge_prefixes,
     prefix_forward,
@@ -60,6 +62,13 @@ class Roles:
     def score_temperature(self) -> float:
         """Temperature of the log-prob definition (1.0 when rollout is greedy)."""
         return self.sampling.score_temperature
+
+    @property
+    def suffix_attention(self) -> SuffixAttention:
+        """How scored responses attend to their prompt's keys (``model.suffix_attention`` and
+        ``model.cascade_kernels``)."""
+        model = self.config.model
+        return SuffixAttention(model.suffix_attention, model.cascade_kernels)
 
 
 def rollout_prefix(roles: Roles, prompts: list[Prompt], sampling: SamplingParams) -> PrefixState:
@@ -182,9 +191,10 @@ def score(
     temperature: float,
     banned_ids,
     prefix: PrefixState | None = None,
+    attention: SuffixAttention = AUTO_SUFFIX_ATTENTION,
 ) -> torch.Tensor:
     """Detached log-probs float32 [B, R] of the rollout's responses under ``model``: suffixes against
-    ``prefix`` (computed here when None)."""
+    ``prefix`` (computed here when None), with the suffix ``attention``."""
     with torch.no_grad():
         if prefix is None:
             prefix = prefix_forward(
@@ -197,6 +207,7 @@ def score(
             group_size=rollout.group_size,
             temperature=temperature,
             banned_ids=banned_ids,
+            attention=attention,
         )
     return torch.where(rollout.response_mask(), logprobs, 0.0)
 
@@ -208,7 +219,13 @@ def reference_phase(roles: Roles, scored: ScoredBatch, prefix: PrefixState | Non
         return scored
     rollout = scored.rollout
     scored.ref_logprobs = score(
-        roles.reference, rollout.prompts, rollout, roles.score_temperature, roles.banned_ids, prefix
+        roles.reference,
+        rollout.prompts,
+        rollout,
+        roles.score_temperature,
+        roles.banned_ids,
+        prefix,
+        roles.suffix_attention,
     )
     return scored
 
@@ -281,6 +298,7 @@ def actor_backward(
             temperature=roles.score_temperature,
             banned_ids=roles.banned_ids,
             with_entropy=True,
+            attention=roles.suffix_attention,
         )
         m = mask[rows]
         old = logprobs.detach() if old_logprobs is None else old_logprobs[rows]
@@ -356,4 +374,11 @@ def actor_old_logprobs(roles: Roles, scored: ScoredBatch) -> torch.Tensor:
     batch the caller passes None to ``actor_backward`` instead: the ratio's old log-probs are then the
     current ones, detached)."""
     rollout = scored.rollout
-    return score(roles.actor, rollout.prompts, rollout, roles.score_temperature, roles.banned_ids)
+    return score(
+        roles.actor,
+        rollout.prompts,
+        rollout,
+        roles.score_temperature,
+        roles.banned_ids,
+        attention=roles.suffix_attention,
+    )

@@ -358,6 +358,63 @@ def test_bench_schedule_options_reach_the_config(monkeypatch):
     assert (seen[0].compile_scope, seen[1].compile_scope) == ("layer", "parts")
 
 
+def _bench_configs(monkeypatch, command: str) -> list:
+    """Run ``rollplex bench <command>`` against a fake runner: the bench configs it is handed."""
+    module = importlib.import_module(f"rollplex.bench.{command}")
+    config_class = {
+        "schedule": "ScheduleBenchConfig",
+        "prefix": "PrefixBenchConfig",
+        "decode": "DecodeBenchConfig",
+    }
+    seen = []
+    runner = lambda cfg, out: seen.append(cfg) or types.SimpleNamespace(rows={})  # noqa: E731
+    fake = {config_class[command]: getattr(module, config_class[command]), f"run_{command}_bench": runner}
+    _fake_module(monkeypatch, f"rollplex.bench.{command}", **fake)
+    return seen
+
+
+def test_bench_takes_config_overrides_as_train_does(monkeypatch):
+    """``rollplex bench`` takes ``section.field=value`` overrides, before or after its options: schedule
+    hands them to every row's config; prefix and decode set the settings those fields map to (after the
+    options, so an override beats a flag)."""
+    seen = _bench_configs(monkeypatch, "schedule")
+    assert (
+        main(["bench", "schedule", "algo.kl_coef=0.1", "--rows", "serial", "model.suffix_attention=sdpa"])
+        == 0
+    )
+    assert seen[0].overrides == ("algo.kl_coef=0.1", "model.suffix_attention=sdpa") and seen[0].rows == (
+        "serial",
+    )
+    seen = _bench_configs(monkeypatch, "prefix")
+    argv = ["bench", "prefix", "--vision-attention", "per_chunk", "model.cascade_kernels=flash,flash"]
+    assert main([*argv, "model.suffix_attention=cascade", "model.vision_attention=batched"]) == 0
+    assert (seen[0].suffix_attention, seen[0].cascade_kernels) == ("cascade", "flash,flash")
+    assert seen[0].vision_attention == "batched"
+    seen = _bench_configs(monkeypatch, "decode")
+    assert main(["bench", "decode", "rollout.top_k=20", "rollout.temperature=0.7", "--preset", "tiny"]) == 0
+    assert (seen[0].top_k, seen[0].temperature, seen[0].top_p, seen[0].preset) == (20, 0.7, 1.0, "tiny")
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["bench", "prefix", "rollout.top_k=3"], "rollplex bench prefix: rollout.top_k sets nothing here"),
+        (["bench", "decode", "model.suffix_attention=sdpa"], "model.suffix_attention sets nothing here"),
+        (["bench", "decode", "rollout.top_k=-1"], "rollout.top_k=-1 must be >= 0"),
+        (["bench", "prefix", "model.suffix_attention=flash"], "model.suffix_attention='flash' is not one of"),
+        (
+            ["bench", "decode", "rollout.top_k"],
+            "override 'rollout.top_k' is not of the form section.field=value",
+        ),
+    ],
+)
+def test_bench_overrides_that_set_nothing_are_refused(monkeypatch, capsys, argv, message):
+    _bench_configs(monkeypatch, argv[1])
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("rollplex: error: ") and message in err
+
+
 def test_a_bad_compile_scope_is_a_usage_error(capsys):
     with pytest.raises(SystemExit) as stop:
         main(["bench", "schedule", "--compile-scope", "whole"])

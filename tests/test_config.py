@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
+from pathlib import Path
 
 import pytest
 import torch
@@ -30,10 +31,13 @@ from rollplex.config import (
 SPEC_DEFAULTS = {
     "run": {
         "out_dir": "runs/rollplex", "seed": 0, "steps": 100, "save_every": 50, "keep_checkpoints": 2,
-        "device": "auto", "dtype": "auto", "deterministic": False, "schedule": "serial", "prefill_fusion": False, "overlap": True,
-        "decode_priority": True, "prefix_chunk_groups": 0, "prefix_sm_carveout": 0, "prefix_sms": 0, "auto_trials": 2,
+        "device": "auto", "dtype": "auto", "deterministic": False,
         "progress": True,
         "log_every": 10,
+    },
+    "schedule": {
+        "kind": "serial", "prefill_fusion": False, "overlap": True, "decode_priority": True,
+        "prefix_chunk_groups": 0, "prefix_sm_carveout": 0, "prefix_sms": 0, "auto_trials": 2,
     },
     "model": {
         "path": "",
@@ -44,6 +48,8 @@ SPEC_DEFAULTS = {
         "vision_mlp_padding": True,
         "compile_layers": True,
         "compile_scope": "layer",
+        "suffix_attention": "auto",
+        "cascade_kernels": "auto",
     },
     "data": {
         "train_path": "", "val_path": "", "data_root": "", "template": "video_r1", "max_prompt_tokens": 8192,
@@ -145,7 +151,15 @@ def test_int_is_accepted_for_float_and_converted():
         ("optim.max_grad_norm=.inf", ["optim.max_grad_norm", "finite", "inf"]),  # no upper limit
         ("algo.kl_log_ratio_bound=100", ["algo.kl_log_ratio_bound", "<= 80"]),  # B10: exp overflows past 88.7
         ("algo.clip_low=1.5", ["algo.clip_low=1.5", "< 1"]),  # the ratio's lower bound 1 - clip_low > 0
-        ("run.schedule=overlap", ["run.schedule", "serial", "rollplex"]),
+        ("schedule.kind=overlap", ["schedule.kind", "serial", "rollplex"]),
+        ("model.suffix_attention=flash", ["model.suffix_attention", "auto", "causal", "cascade", "flex"]),
+        (
+            "model.cascade_kernels=cudnn",
+            ["model.cascade_kernels='cudnn'", "BOUNDARY,OWN", "math|flash|cudnn"],
+        ),
+        ("model.cascade_kernels=math,xformers", ["model.cascade_kernels='math,xformers'", "BOUNDARY,OWN"]),
+        ("run.schedule=rollplex", ["unknown config key 'run.schedule'", "schedule.kind now"]),
+        ("run.prefill_fusion=true", ["unknown config key 'run.prefill_fusion'", "schedule.prefill_fusion"]),
         ("run.device=tpu", ["run.device", "auto", "cpu", "cuda"]),
         ("algo.loss_agg=sum", ["algo.loss_agg", "token-mean"]),
         ("run.steps=1.5", ["run.steps", "int", "1.5"]),
@@ -236,6 +250,7 @@ def test_save_then_load_round_trip(tmp_path):
     assert load_config(path) == cfg
     assert list(parse_yaml(path.read_text())) == [
         "run",
+        "schedule",
         "model",
         "data",
         "rollout",
@@ -286,6 +301,25 @@ def test_a_compile_scope_without_compiled_layers_is_reported():
     assert ignored_fields(load_config(None, off)) == {why: ["model.compile_scope"]}
     assert ignored_fields(load_config(None, off[:1])) == {}  # the scope at its default
     assert ignored_fields(load_config(None, off[1:])) == {}  # compiled: the scope applies
+
+
+def test_cascade_kernels_without_the_cascade_attention_are_reported():
+    kernels = "model.cascade_kernels=flash,flash"
+    why = "the suffix attention is not cascade (model.suffix_attention=auto)"
+    assert ignored_fields(load_config(None, [kernels])) == {why: ["model.cascade_kernels"]}
+    assert ignored_fields(load_config(None, [kernels, "model.suffix_attention=cascade"])) == {}
+    assert ignored_fields(load_config(None, ["model.suffix_attention=causal"])) == {}
+
+
+def test_the_config_choices_are_the_models_names():
+    """The suffix attention and cascade kernel names the config accepts are those models.attention runs
+    (auto aside), so a name that loads never fails later."""
+    from rollplex.config import CASCADE_KERNELS, SUFFIX_ATTENTION
+    from rollplex.models.attention import ATTENTION_KERNELS
+    from rollplex.models.attention import SUFFIX_ATTENTION as BACKENDS
+
+    assert SUFFIX_ATTENTION == ("auto", *BACKENDS)
+    assert CASCADE_KERNELS == tuple(ATTENTION_KERNELS)
 
 
 def test_data_root_defaults_to_folder_of_train_path(tmp_path):
@@ -342,21 +376,38 @@ def test_resolve_device(monkeypatch):
 
 
 def test_schedule_conflicts_name_both_fields():
-    with pytest.raises(ConfigError, match=r"run\.schedule='rollplex'.*algo\.mini_batches=2"):
-        load_config(None, ["run.schedule=rollplex", "algo.mini_batches=2"])
-    with pytest.raises(ConfigError, match=r"run\.prefill_fusion=True.*run\.schedule='serial'"):
-        load_config(None, ["run.prefill_fusion=true"])
-    cfg = load_config(None, ["run.schedule=rollplex", "run.prefill_fusion=true"])
-    assert (cfg.run.schedule, cfg.run.prefill_fusion) == ("rollplex", True)
-    with pytest.raises(ConfigError, match=r"run\.prefix_sms=64.*run\.prefill_fusion=False.*backward"):
-        load_config(None, ["run.schedule=rollplex", "run.prefix_sms=64"])
-    with pytest.raises(ConfigError, match=r"run\.prefix_sms=64.*run\.overlap=False"):
+    with pytest.raises(ConfigError, match=r"schedule\.kind='rollplex'.*algo\.mini_batches=2"):
+        load_config(None, ["schedule.kind=rollplex", "algo.mini_batches=2"])
+    with pytest.raises(ConfigError, match=r"schedule\.prefill_fusion=True.*schedule\.kind='serial'"):
+        load_config(None, ["schedule.prefill_fusion=true"])
+    cfg = load_config(None, ["schedule.kind=rollplex", "schedule.prefill_fusion=true"])
+    assert (cfg.schedule.kind, cfg.schedule.prefill_fusion) == ("rollplex", True)
+    with pytest.raises(
+        ConfigError, match=r"schedule\.prefix_sms=64.*schedule\.prefill_fusion=False.*backward"
+    ):
+        load_config(None, ["schedule.kind=rollplex", "schedule.prefix_sms=64"])
+    with pytest.raises(ConfigError, match=r"schedule\.prefix_sms=64.*schedule\.overlap=False"):
         load_config(
             None,
-            ["run.schedule=rollplex", "run.prefill_fusion=true", "run.overlap=false", "run.prefix_sms=64"],
+            [
+                "schedule.kind=rollplex",
+                "schedule.prefill_fusion=true",
+                "schedule.overlap=false",
+                "schedule.prefix_sms=64",
+            ],
         )
     for schedule in ("serial", "auto"):
-        with pytest.raises(ConfigError, match=rf"run\.prefix_sms=64.*run\.schedule='{schedule}'"):
-            load_config(None, [f"run.schedule={schedule}", "run.prefix_sms=64"])
-    cfg = load_config(None, ["run.schedule=rollplex", "run.prefill_fusion=true", "run.prefix_sms=64"])
-    assert cfg.run.prefix_sms == 64
+        with pytest.raises(ConfigError, match=rf"schedule\.prefix_sms=64.*schedule\.kind='{schedule}'"):
+            load_config(None, [f"schedule.kind={schedule}", "schedule.prefix_sms=64"])
+    cfg = load_config(
+        None, ["schedule.kind=rollplex", "schedule.prefill_fusion=true", "schedule.prefix_sms=64"]
+    )
+    assert cfg.schedule.prefix_sms == 64
+
+
+def test_every_config_file_of_the_repository_loads():
+    """The config files under configs/ use the fields as they are now (a renamed or moved field fails)."""
+    files = sorted((Path(__file__).resolve().parents[1] / "configs").glob("*.yaml"))
+    assert files
+    for path in files:
+        load_config(path)

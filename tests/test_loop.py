@@ -19,6 +19,7 @@ from rollplex.config import load_config
 from rollplex.data.records import DatasetError
 from rollplex.data.synth import generate_dataset
 from rollplex.loop import build_run, duration_text, step_memory, train
+from rollplex.models.attention import SuffixAttention
 from rollplex.models.compiled import compiled_scope, layers_compiled
 from rollplex.models.presets import init_checkpoint
 
@@ -257,36 +258,39 @@ def test_existing_run_folder_is_never_overwritten_by_accident(assets, tmp_path):
     assert [row["step"] for row in _metrics(run)] == [1]
 
 
-@pytest.mark.parametrize(("name", "why"), [("bogus", "expected one of"), ("flex", "needs CUDA")])
-def test_a_suffix_attention_that_cannot_run_stops_the_run_before_it_writes(
-    assets, tmp_path, monkeypatch, name, why
-):
-    """ROLLPLEX_SUFFIX_ATTENTION is checked as the run starts, before its folder holds anything, and
-    before --overwrite clears an earlier run there; a rerun with it fixed needs no --overwrite. On the
-    CPU (flex needs CUDA)."""
-    cfg = _config(assets, tmp_path / "run", 1, **{"eval.every": 0, "data.val_path": "", "run.device": "cpu"})
-    monkeypatch.setenv("ROLLPLEX_SUFFIX_ATTENTION", name)
-    with pytest.raises(ValueError, match=f"ROLLPLEX_SUFFIX_ATTENTION.*{why}"):
-        train(cfg)
+def test_a_suffix_attention_that_cannot_run_stops_the_run_before_it_writes(assets, tmp_path):
+    """model.suffix_attention is checked as the run starts, before its folder holds anything, and before
+    --overwrite clears an earlier run there; a rerun with it fixed needs no --overwrite. On the CPU
+    (flex needs CUDA)."""
+    extra = {"eval.every": 0, "data.val_path": "", "run.device": "cpu"}
+    flex = _config(assets, tmp_path / "run", 1, **extra, **{"model.suffix_attention": "flex"})
+    with pytest.raises(ValueError, match="model.suffix_attention=flex needs CUDA"):
+        train(flex)
     assert not (tmp_path / "run").exists() or not any((tmp_path / "run").iterdir())
-    monkeypatch.delenv("ROLLPLEX_SUFFIX_ATTENTION")
-    run = train(cfg)
+    run = train(_config(assets, tmp_path / "run", 1, **extra))
     before = (run / "metrics.jsonl").read_text()
-    monkeypatch.setenv("ROLLPLEX_SUFFIX_ATTENTION", name)
-    with pytest.raises(ValueError, match=f"ROLLPLEX_SUFFIX_ATTENTION.*{why}"):
-        train(cfg, overwrite=True)
+    with pytest.raises(ValueError, match="model.suffix_attention=flex needs CUDA"):
+        train(flex, overwrite=True)
     assert (run / "metrics.jsonl").read_text() == before  # the earlier run is still there
 
 
-def test_a_bad_cascade_kernel_name_stops_the_run_before_it_writes(assets, tmp_path, monkeypatch):
-    """With the cascade suffix attention, ROLLPLEX_CASCADE_KERNELS is checked as the run starts too,
-    not in its first suffix pass."""
-    cfg = _config(assets, tmp_path / "run", 1, **{"eval.every": 0, "data.val_path": "", "run.device": "cpu"})
-    monkeypatch.setenv("ROLLPLEX_SUFFIX_ATTENTION", "cascade")
-    monkeypatch.setenv("ROLLPLEX_CASCADE_KERNELS", "math,xformers")
-    with pytest.raises(ValueError, match="ROLLPLEX_CASCADE_KERNELS='math,xformers'"):
+def test_the_suffix_attention_settings_reach_the_suffix_passes(assets, tmp_path, monkeypatch, caplog):
+    """The run's model.suffix_attention and model.cascade_kernels are what every suffix pass (reference
+    scoring and the actor's loss) is given, and the log names the backend."""
+    import rollplex.phases as phases
+
+    seen = set()
+    real = phases.suffix_logprobs
+    monkeypatch.setattr(phases, "suffix_logprobs", lambda *a, **k: seen.add(k["attention"]) or real(*a, **k))
+    settings = {"model.suffix_attention": "cascade", "model.cascade_kernels": "math,math"}
+    cfg = _config(assets, tmp_path / "run", 1, **{"eval.every": 0, "data.val_path": "", **settings})
+    with caplog.at_level(logging.INFO, logger="rollplex"):
         train(cfg)
-    assert not (tmp_path / "run").exists() or not any((tmp_path / "run").iterdir())
+    assert seen == {SuffixAttention("cascade", "math,math")}
+    assert (
+        "suffix attention (how responses attend to their prompt's keys): cascade, model.suffix_attention"
+        in caplog.text
+    )
 
 
 def test_resume_without_a_checkpoint_writes_nothing(assets, tmp_path, caplog):
@@ -505,7 +509,7 @@ def test_b04_rollout_reference_and_actor_read_the_same_vision_tensors(
     pixel and second_per_grid_ts tensors, not from a recomputation: one step of each schedule, every
     prefix call recorded."""
     import rollplex.models.forward as forward
-    import rollplex.schedule.rollplex as rollplex_schedule
+    import rollplex.phases as phases
 
     real, calls = forward.prefix_states, []
 
@@ -515,8 +519,8 @@ def test_b04_rollout_reference_and_actor_read_the_same_vision_tensors(
         return real(model, prompts, **options)
 
     monkeypatch.setattr(forward, "prefix_states", spy)
-    monkeypatch.setattr(rollplex_schedule, "prefix_states", spy)
-    extra = {"run.schedule": schedule, "run.prefill_fusion": schedule == "rollplex", "eval.every": 0}
+    monkeypatch.setattr(phases, "prefix_states", spy)
+    extra = {"schedule.kind": schedule, "schedule.prefill_fusion": schedule == "rollplex", "eval.every": 0}
     train(_config(assets, tmp_path / "run", 1, **{**extra, "data.val_path": ""}))
     seen: dict = {}
     for model, attached, keys, vision in calls:

@@ -10,11 +10,12 @@ import argparse
 import statistics
 import time
 import zlib
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
 
+from rollplex.config import ConfigError, load_config
 from rollplex.models.compiled import compiles_layers
 from rollplex.models.forward import prepare_model
 from rollplex.models.positions import VisionTokens, rope_positions
@@ -27,7 +28,7 @@ _RECORD = Record(
 
 @dataclass(frozen=True)
 class Workload:
-    """The benchmark workload (defaults: the 3B workload of docs/benchmarks.md): G prompt groups of one
+    """The benchmark workload (defaults: the 3B workload of benchmarks/README.md): G prompt groups of one
     video prompt each (``text_tokens`` + the video's t·h·w/4 tokens), N responses of R tokens."""
 
     preset: str = "qwen2.5-vl-3b"
@@ -41,6 +42,29 @@ class Workload:
     vision_mlp_padding: bool = True  # model.vision_mlp_padding
     compile_layers: bool = True  # model.compile_layers (CUDA only)
     compile_scope: str = "layer"  # model.compile_scope
+
+
+def config_settings(overrides: Sequence[str], fields: dict[str, str], command: str) -> dict:
+    """The benchmark settings that config overrides set: each ``section.field=value`` (checked as
+    ``rollplex train`` checks it, ``config.load_config``) must be a key of ``fields``, which names the
+    setting it sets. Returns ``{setting: value}``.
+
+    Raises:
+        ConfigError (ValueError): a bad override, or a key that sets nothing in ``rollplex bench
+            {command}``, named with the keys that do.
+    """
+    cfg = load_config(None, overrides)
+    settings = {}
+    for item in overrides:
+        key = item.partition("=")[0].strip()
+        if key not in fields:
+            raise ConfigError(
+                f"rollplex bench {command}: {key} sets nothing here; the config fields it takes: "
+                f"{', '.join(fields)}"
+            )
+        section, name = key.split(".")
+        settings[fields[key]] = getattr(getattr(cfg, section), name)
+    return settings
 
 
 def bench_device(preset: str) -> torch.device:

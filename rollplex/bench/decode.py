@@ -28,7 +28,13 @@ from pathlib import Path
 
 import torch
 
-from rollplex.bench.common import PromptShape, Workload, bench_device, synthetic_prompt, workload_model
+from rollplex.bench.common import (
+    PromptShape,
+    Workload,
+    bench_device,
+    synthetic_prompt,
+    workload_model,
+)
 from rollplex.bench.variants import DECODE_VARIANTS, DEFAULT_VARIANTS
 from rollplex.models.forward import prefix_forward
 from rollplex.models.presets import vision_special_ids
@@ -40,11 +46,14 @@ VARIANTS = DECODE_VARIANTS
 
 @dataclass(frozen=True)
 class DecodeBenchConfig(Workload):
-    """Workload of ``rollplex bench decode`` (defaults: the 3B workload of docs/benchmarks.md)."""
+    """Workload of ``rollplex bench decode`` (defaults: the 3B workload of benchmarks/README.md)."""
 
     variants: tuple[str, ...] = DEFAULT_VARIANTS
     eager_tokens: int = 48
     profile_steps: int = 0
+    temperature: float = 1.0  # rollout.temperature
+    top_p: float = 1.0  # rollout.top_p
+    top_k: int = 0  # rollout.top_k
 
 
 @dataclass
@@ -124,7 +133,7 @@ def run_decode_bench(cfg: DecodeBenchConfig, out: Path | None = None) -> DecodeB
     result = DecodeBenchResult(config=asdict(cfg), copy_bandwidth_gbps=copy_bandwidth(device))
     for name in cfg.variants:
         tokens = cfg.eager_tokens if name == "eager" else cfg.response_tokens
-        params = SamplingParams(1.0, 1.0, 0, tokens, (-1,), 0, banned, **VARIANTS[name])
+        params = _sampling(cfg, tokens, banned, name)
         try:
             batch = generate(
                 model, prompts, prefix, group_size=cfg.group_size, params=params, tokenizer=_NoText()
@@ -151,9 +160,7 @@ def run_decode_bench(cfg: DecodeBenchConfig, out: Path | None = None) -> DecodeB
         }
         print(f"  {name}: {per_step * 1e3:.3f} ms/step, {per_step / roofline:.2f}x roofline", flush=True)
     if cfg.profile_steps:
-        params = SamplingParams(
-            1.0, 1.0, 0, cfg.response_tokens, (-1,), 0, banned, **VARIANTS[cfg.variants[-1]]
-        )
+        params = _sampling(cfg, cfg.response_tokens, banned, cfg.variants[-1])
         table = profile_steps(model, prefix, cfg.group_size, params, cfg.profile_steps)
         print(table)
         if out is not None:
@@ -163,6 +170,13 @@ def run_decode_bench(cfg: DecodeBenchConfig, out: Path | None = None) -> DecodeB
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps(asdict(result), indent=2))
     return result
+
+
+def _sampling(cfg: DecodeBenchConfig, tokens: int, banned: torch.Tensor, variant: str) -> SamplingParams:
+    """Sampling settings of ``variant``: ``tokens`` per response, none of them an end of sequence."""
+    return SamplingParams(
+        cfg.temperature, cfg.top_p, cfg.top_k, tokens, (-1,), 0, banned, **VARIANTS[variant]
+    )
 
 
 def profile_steps(model, prefix, group_size: int, params: SamplingParams, steps: int) -> str:

@@ -40,7 +40,7 @@ from rollplex.bench.common import (
     text_id_range,
     workload_model,
 )
-from rollplex.models.attention import PrefixPlan
+from rollplex.models.attention import PrefixPlan, SuffixAttention
 from rollplex.models.compiled import compiles_layers
 from rollplex.models.forward import (
     _decoder,
@@ -55,11 +55,17 @@ from rollplex.types import Prompt
 
 @dataclass(frozen=True)
 class PrefixBenchConfig(Workload):
-    """Workload of ``rollplex bench prefix`` (defaults: the 3B workload of docs/benchmarks.md)."""
+    """Workload of ``rollplex bench prefix`` (defaults: the 3B workload of benchmarks/README.md)."""
 
     repeats: int = 1
     suffix_group_sizes: tuple[int, ...] = (4, 8, 16)
     parts: tuple[str, ...] = ("compare", "suffix-memory")
+    suffix_attention: str = "auto"  # model.suffix_attention
+    cascade_kernels: str = "auto"  # model.cascade_kernels
+
+
+def _attention(cfg: PrefixBenchConfig) -> SuffixAttention:
+    return SuffixAttention(cfg.suffix_attention, cfg.cascade_kernels)
 
 
 PARTS = ("compare", "suffix-memory", "vision")
@@ -92,12 +98,15 @@ def naive_logprobs(model, prompt: Prompt, responses: torch.Tensor, banned: torch
     return _token_logprobs_chunked(model, hidden[:, p - 1 : -1], responses, 1.0, banned)
 
 
-def _rollplex_pass(model, prompts, responses, n, banned, attached: bool) -> torch.Tensor:
+def _rollplex_pass(
+    model, prompts, responses, n, banned, attached: bool, attention: SuffixAttention
+) -> torch.Tensor:
     outs = []
     for g, prompt in enumerate(prompts):
         prefix = prefix_forward(model, [prompt], temperature=1.0, banned_ids=banned, attached=attached)
+        rows = responses[g * n : (g + 1) * n]
         lp, _ = suffix_lp(
-            model, prefix, responses[g * n : (g + 1) * n], group_size=n, temperature=1.0, banned_ids=banned
+            model, prefix, rows, group_size=n, temperature=1.0, banned_ids=banned, attention=attention
         )
         if attached:
             lp.float().mean().backward()
@@ -190,8 +199,8 @@ def _compare_roles(model, prompts, responses, cfg, banned, device, result: Prefi
             first_seq = (model, prompts[:1], responses[:1], n, banned, attached)
             ours = _measure(
                 f"{role} rollplex, one group per micro-batch",
-                partial(_rollplex_pass, *every),
-                partial(_rollplex_pass, *one),
+                partial(_rollplex_pass, *every, attention=_attention(cfg)),
+                partial(_rollplex_pass, *one, attention=_attention(cfg)),
                 cfg.repeats,
                 device,
             )
@@ -236,7 +245,7 @@ def _suffix_memory(model, prompt, cfg, banned, device) -> dict:
     for n in cfg.suffix_group_sizes:
         generator = torch.Generator().manual_seed(n)
         ids = torch.randint(*text_id_range(model), (n, cfg.response_tokens), generator=generator)
-        run = partial(_rollplex_pass, model, [prompt], ids.to(device), n, banned, True)
+        run = partial(_rollplex_pass, model, [prompt], ids.to(device), n, banned, True, _attention(cfg))
         run()  # warm-up
         peak, _ = peak_gib(run, device)
         rows[str(n)] = {

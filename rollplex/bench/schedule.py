@@ -35,20 +35,18 @@ import copy
 import gc
 import json
 import math
-import os
 import statistics
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from unittest.mock import patch
 
 import torch
 
 from rollplex.bench.common import PromptShape, Workload, bench_device, synthetic_prompt, workload_model
 from rollplex.bench.decode import copy_bandwidth, step_bytes
 from rollplex.bench.fingerprint import differing, first_difference, optimizer_fingerprints, step_fingerprints
-from rollplex.bench.variants import BASELINES, MAIN_ROWS, ROW_ENV, ROWS
-from rollplex.config import load_config
+from rollplex.bench.variants import BASELINES, MAIN_ROWS, ROWS
+from rollplex.config import Config, ConfigError, load_config
 from rollplex.determinism import use_deterministic_algorithms
 from rollplex.models.compiled import compile_fallback, compiled_scope, compiles_layers
 from rollplex.models.forward import enable_checkpointing, prepare_model, suffix_backend
@@ -76,6 +74,9 @@ class ScheduleBenchConfig(Workload):
     fused_sampling: bool = True
     fused_gate: bool = True
     deterministic: bool = False  # torch's deterministic algorithms for the whole run (run.deterministic)
+    # config overrides (section.field=value, as rollplex train takes them) applied to every row's config
+    # after the settings above; a row's own settings (ROWS) win over them
+    overrides: tuple[str, ...] = ()
 
 
 @dataclass
@@ -117,32 +118,37 @@ class _Workload:
         with torch.no_grad():
             for name, value in self.actor.state_dict().items():
                 value.copy_(self.initial[name])
-        items = {
+        workload = {
             "rollout.group_size": cfg.group_size,
             "rollout.prompts_per_step": cfg.groups,
             "rollout.max_response_tokens": cfg.response_tokens,
             "reward.functions": "[rollplex.bench.common:distinct_reward]",
-            "run.auto_trials": cfg.auto_trials,
+            "schedule.auto_trials": cfg.auto_trials,
             "rollout.decode_attention": cfg.decode_attention,
             "rollout.compile_decode": cfg.compile_decode,
             "rollout.compile_mode": cfg.compile_mode,
             "rollout.fused_projections": cfg.fused_projections,
             "rollout.fused_sampling": cfg.fused_sampling,
             "rollout.fused_gate": cfg.fused_gate,
+            "model.vision_attention": cfg.vision_attention,
+            "model.vision_mlp_padding": cfg.vision_mlp_padding,
             "model.compile_layers": cfg.compile_layers,
             "model.compile_scope": cfg.compile_scope,
             "run.deterministic": cfg.deterministic,  # recorded; run_schedule_bench sets it process-wide
-            **{k: self.sms // 2 if v == "half" else v for k, v in overrides.items()},
         }
-        config = load_config(
-            None, [f"{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in items.items()]
-        )
+        row = {k: self.sms // 2 if v == "half" else v for k, v in overrides.items()}
+        config = load_config(None, [*_items(workload), *cfg.overrides, *_items(row)])
         if self.checkpointing:
             enable_checkpointing(self.actor, layer_recompute=config.model.layer_recompute)
-        compiled = compiles_layers(config.model.compile_layers, self.device)
+        model_cfg = config.model
+        compiled = compiles_layers(model_cfg.compile_layers, self.device)
         for model in (self.actor, self.reference):
             prepare_model(
-                model, cfg.vision_attention, cfg.vision_mlp_padding, compiled, config.model.compile_scope
+                model,
+                model_cfg.vision_attention,
+                model_cfg.vision_mlp_padding,
+                compiled,
+                model_cfg.compile_scope,
             )
         optimizer = MasterWeightAdamW.for_model(self.actor, config.optim)
         sampling = SamplingParams.from_config(config.rollout, (self.eos,), self.eos, self.banned)
@@ -150,14 +156,18 @@ class _Workload:
         return Roles(self.actor, self.reference, optimizer, self.tokenizer, sampling, generator, config)
 
 
+def _items(settings: dict) -> list[str]:
+    """``section.field=value`` overrides of a settings dict (booleans as YAML spells them)."""
+    return [f"{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in settings.items()]
+
+
 def default_row(name: str, device: torch.device) -> tuple[_Workload, Roles, Callable]:
     """The default workload on ``device``, with row ``name``'s roles and step function (for scripts that
-    probe one row). The row's environment (``ROW_ENV``) is set for the rest of the process.
+    probe one row).
 
     Raises:
         KeyError: ``name`` is not a row of ``ROWS``.
     """
-    os.environ.update(ROW_ENV.get(name, {}))
     cfg = ScheduleBenchConfig()
     work = _Workload(cfg, device)
     roles = work.roles(ROWS[name], cfg)
@@ -179,11 +189,6 @@ def _warmup(step, cfg: ScheduleBenchConfig) -> int:
     return cfg.warmup + trials
 
 
-def _run_row(work: _Workload, name: str, cfg: ScheduleBenchConfig) -> tuple[dict, _Snapshot]:
-    with patch.dict(os.environ, ROW_ENV.get(name, {})):  # the row's environment, then as it was
-        return _timed_row(work, name, cfg)
-
-
 def _gc_text(spent: dict) -> str:
     """The garbage collector's share of a step, as the iteration line prints it."""
     full = spent["gc_full_passes"]
@@ -191,8 +196,12 @@ def _gc_text(spent: dict) -> str:
 
 
 def _timed_row(work: _Workload, name: str, cfg: ScheduleBenchConfig) -> tuple[dict, _Snapshot]:
+    replaced = sorted({item.partition("=")[0].strip() for item in cfg.overrides} & set(ROWS[name]))
+    if replaced:  # the row is what its name says
+        print(f"  {name}: the row's own {', '.join(replaced)} replaces the override", flush=True)
     roles = work.roles(ROWS[name], cfg)
-    suffix_backend(work.device, next(roles.actor.parameters()).dtype)  # the row's backend can run here
+    dtype = next(roles.actor.parameters()).dtype
+    suffix_backend(work.device, dtype, roles.config.model.suffix_attention)  # the row's can run here
     step = make_step(roles.config, work.device)
     sync = torch.cuda.synchronize if work.device.type == "cuda" else None
     timer, times, phases = PhaseTimer(sync=sync), [], []
@@ -363,7 +372,8 @@ def run_schedule_bench(cfg: ScheduleBenchConfig, out: Path | None = None) -> Sch
     repeated = sorted({name for name in cfg.rows if cfg.rows.count(name) > 1})
     if repeated:
         raise ValueError(f"schedule rows given more than once: {repeated} (serial-again repeats serial)")
-    if cfg.deterministic:
+    overridden = _checked_overrides(cfg.overrides)
+    if cfg.deterministic or overridden.run.deterministic:
         use_deterministic_algorithms()  # before the workload's first product (see its docstring)
     device = bench_device(cfg.preset)
     work = _Workload(cfg, device)
@@ -374,7 +384,7 @@ def run_schedule_bench(cfg: ScheduleBenchConfig, out: Path | None = None) -> Sch
     for name in cfg.rows:
         _free_previous_row(device)
         try:
-            result.rows[name], snapshots[name] = _run_row(work, name, cfg)
+            result.rows[name], snapshots[name] = _timed_row(work, name, cfg)
         except torch.OutOfMemoryError as err:  # one row out of memory must not hide the others
             print(f"  {name}: out of memory: {err}", flush=True)
             result.rows[name] = {"error": "out of memory"}
@@ -401,6 +411,33 @@ def run_schedule_bench(cfg: ScheduleBenchConfig, out: Path | None = None) -> Sch
     _print(result)
     _write(result, out)
     return result
+
+
+# what the benchmark sets itself (its workload options) or does not have (a run folder, a dataset)
+_WORKLOAD_KEYS = ("rollout.group_size", "rollout.prompts_per_step", "rollout.max_response_tokens")
+_NOT_READ = ("model.path", "model.freeze_vision", "model.gradient_checkpointing")
+
+
+def _checked_overrides(overrides: tuple[str, ...]) -> Config:
+    """The defaults with ``overrides`` applied (checked as ``rollplex train`` checks them).
+
+    Raises:
+        ConfigError (ValueError): a bad override, or one of a field the benchmark gives no effect: its
+            workload shape (``--groups``, ``--group-size``, ``--response-tokens``), the run, data and
+            eval sections (but ``run.deterministic``), and the model's path and training settings.
+    """
+    config = load_config(None, overrides)
+    for item in overrides:
+        key = item.partition("=")[0].strip()
+        section = key.split(".")[0]
+        unread = section in ("run", "data", "eval") and key != "run.deterministic"
+        if unread or key in _WORKLOAD_KEYS or key in _NOT_READ:
+            raise ConfigError(
+                f"rollplex bench schedule: {key} takes no effect in the benchmark, which builds its own "
+                "model and prompts (--preset, --groups, --group-size, --response-tokens, --dtype) and "
+                "writes no run folder"
+            )
+    return config
 
 
 def _free_previous_row(device: torch.device) -> None:

@@ -1,6 +1,7 @@
 """Plain data of the benchmarks, so the command line can list it without importing torch: the rows of
-``rollplex bench schedule`` (config overrides per row, the row each is compared with, the environment
-a row runs in; described in rollplex.bench.schedule), and the decode variants of ``rollplex bench
+``rollplex bench schedule`` (config overrides per row and the row each is compared with; described in
+rollplex.bench.schedule), the config fields ``rollplex bench prefix`` and ``decode`` take as
+``key=value`` (each the benchmark setting it sets), and the decode variants of ``rollplex bench
 decode``, ``SamplingParams`` options per name (eager; CUDA graphs; then torch.compile and the fused
 attention, alone and together; then fused projections, the fused sampling race and the gated gate/up
 kernel on top; then, run only on request, the last with its graphs' own-key window set to 128 or 512
@@ -32,7 +33,7 @@ DEFAULT_VARIANTS = tuple(
     name for name in DECODE_VARIANTS if not name.endswith(("+autotune", "+window128", "+window512"))
 )
 
-_BOTH = {"run.schedule": "rollplex", "run.overlap": True, "run.prefill_fusion": True}
+_BOTH = {"schedule.kind": "rollplex", "schedule.overlap": True, "schedule.prefill_fusion": True}
 _SUFFIX_ROWS = ("causal", "cascade", "sdpa", "flex")  # the suffix attention backends with rows of their own
 ROWS_HELP = """\
 Rows of rollplex bench schedule (each from the same initial weights and optimizer state, same prompts
@@ -50,7 +51,7 @@ both-same-priority    both, decode and prefixes at the same stream priority
 both-chunked          both, prefix work issued one group at a time
 both-carveout         both, half the SMs kept free of prefix matrix products
 both-green            both, the reference prefix's kernels on a green context of half the SMs
-                      (rounded up by the driver: 72 of 132 on an H200) while decode runs, one
+                      (rounded up by the driver to its granularity) while decode runs, one
                       group per chunk (the chunks after decode get every SM)
 serial-eager          serial, the layers' norms, attention modules and MLPs as transformers runs
                       them (model.compile_layers off; every other row runs them compiled unless
@@ -76,53 +77,47 @@ serial-again          serial once more: whether serial's own update is the same 
                       (its parameter and optimizer differences are against serial's)
 serial-causal         serial, the suffix attention as one SDPA call per group with a bottom-right
                       causal mask over each response's [boundary ; own keys] (flash attention;
-                      ROLLPLEX_SUFFIX_ATTENTION=causal for the row; the CUDA default in bf16/fp16)
+                      model.suffix_attention: causal; the CUDA default in bf16/fp16)
 both-causal           both, likewise
 serial-cascade        serial, the suffix attention as each response's queries against its group's
                       boundary without a mask (cuDNN) and against its own keys causally (flash),
-                      merged by log-sum-exp (ROLLPLEX_SUFFIX_ATTENTION=cascade for the row; CUDA
-                      in bf16/fp16 for cuDNN's and flash attention's kernels)
+                      merged by log-sum-exp (model.suffix_attention: cascade; CUDA in
+                      bf16/fp16 for cuDNN's and flash attention's kernels)
 both-cascade          both, likewise
 serial-sdpa           serial, the suffix attention as one masked SDPA call per layer over the
-                      group's [boundary ; all responses' keys] (ROLLPLEX_SUFFIX_ATTENTION=sdpa)
+                      group's [boundary ; all responses' keys] (model.suffix_attention: sdpa)
 both-sdpa             both, likewise
 serial-flex           serial, the suffix attention as flex_attention with a block mask, which skips
                       the blocks where a response would see another response's keys
-                      (ROLLPLEX_SUFFIX_ATTENTION=flex for the row; CUDA only)
+                      (model.suffix_attention: flex; CUDA only)
 both-flex             both, likewise
 """
 ROWS = {
-    "serial": {"run.schedule": "serial"},
-    "overlap": {"run.schedule": "rollplex", "run.overlap": True, "run.prefill_fusion": False},
-    "fusion": {"run.schedule": "rollplex", "run.overlap": False, "run.prefill_fusion": True},
+    "serial": {"schedule.kind": "serial"},
+    "overlap": {"schedule.kind": "rollplex", "schedule.overlap": True, "schedule.prefill_fusion": False},
+    "fusion": {"schedule.kind": "rollplex", "schedule.overlap": False, "schedule.prefill_fusion": True},
     "both": _BOTH,
-    "auto": {"run.schedule": "auto"},
-    "both-same-priority": {**_BOTH, "run.decode_priority": False},
-    "both-chunked": {**_BOTH, "run.prefix_chunk_groups": 1},
-    "both-carveout": {**_BOTH, "run.prefix_sm_carveout": "half"},
-    "both-green": {**_BOTH, "run.prefix_sms": "half", "run.prefix_chunk_groups": 1},
-    "serial-eager": {"run.schedule": "serial", "model.compile_layers": False},
+    "auto": {"schedule.kind": "auto"},
+    "both-same-priority": {**_BOTH, "schedule.decode_priority": False},
+    "both-chunked": {**_BOTH, "schedule.prefix_chunk_groups": 1},
+    "both-carveout": {**_BOTH, "schedule.prefix_sm_carveout": "half"},
+    "both-green": {**_BOTH, "schedule.prefix_sms": "half", "schedule.prefix_chunk_groups": 1},
+    "serial-eager": {"schedule.kind": "serial", "model.compile_layers": False},
     "both-eager": {**_BOTH, "model.compile_layers": False},
-    "serial-parts": {"run.schedule": "serial", "model.compile_scope": "parts"},
+    "serial-parts": {"schedule.kind": "serial", "model.compile_scope": "parts"},
     "both-parts": {**_BOTH, "model.compile_scope": "parts"},
-    "serial-whole-batch": {"run.schedule": "serial", "algo.micro_batch_groups": 0},
+    "serial-whole-batch": {"schedule.kind": "serial", "algo.micro_batch_groups": 0},
     "both-whole-batch": {**_BOTH, "algo.micro_batch_groups": 0},
-    "serial-torch-checkpoint": {"run.schedule": "serial", "model.layer_recompute": False},
+    "serial-torch-checkpoint": {"schedule.kind": "serial", "model.layer_recompute": False},
     "both-torch-checkpoint": {**_BOTH, "model.layer_recompute": False},
-    "serial-window128": {"run.schedule": "serial", "rollout.graph_window": 128},
+    "serial-window128": {"schedule.kind": "serial", "rollout.graph_window": 128},
     "both-window128": {**_BOTH, "rollout.graph_window": 128},
-    "serial-again": {"run.schedule": "serial"},
+    "serial-again": {"schedule.kind": "serial"},
     **{
-        f"{row}-{name}": settings
+        f"{row}-{name}": {**settings, "model.suffix_attention": name}
         for name in _SUFFIX_ROWS
-        for row, settings in (("serial", {"run.schedule": "serial"}), ("both", _BOTH))
+        for row, settings in (("serial", {"schedule.kind": "serial"}), ("both", _BOTH))
     },
-}
-# environment variables set while a row runs (the suffix attention backend is read at each call)
-ROW_ENV = {
-    f"{row}-{name}": {"ROLLPLEX_SUFFIX_ATTENTION": name}
-    for name in _SUFFIX_ROWS
-    for row in ("serial", "both")
 }
 # the row each row is compared with (speedup, saving, parameter difference): the serial row that
 # splits its mini-batch into the same micro-batches and checkpoints the same way, so its gradient sums
@@ -132,3 +127,23 @@ BASELINES = {
     name: next((f"serial{end}" for end in _OWN_BASELINE if name.endswith(end)), "serial") for name in ROWS
 }
 MAIN_ROWS = ("serial", "overlap", "fusion", "both", "auto")
+
+# config fields that set a workload setting of every benchmark (``rollplex bench ... key=value``), each
+# with the benchmark setting (bench.common.Workload field) it sets
+WORKLOAD_CONFIG_FIELDS = {
+    "model.vision_attention": "vision_attention",
+    "model.vision_mlp_padding": "vision_mlp_padding",
+    "model.compile_layers": "compile_layers",
+    "model.compile_scope": "compile_scope",
+}
+PREFIX_CONFIG_FIELDS = {  # bench.prefix.PrefixBenchConfig
+    **WORKLOAD_CONFIG_FIELDS,
+    "model.suffix_attention": "suffix_attention",
+    "model.cascade_kernels": "cascade_kernels",
+}
+DECODE_CONFIG_FIELDS = {  # bench.decode.DecodeBenchConfig
+    **WORKLOAD_CONFIG_FIELDS,
+    "rollout.temperature": "temperature",
+    "rollout.top_p": "top_p",
+    "rollout.top_k": "top_k",
+}

@@ -21,7 +21,6 @@ runs on any device; it is the reference the faster paths are tested against.
 from __future__ import annotations
 
 import logging
-import os
 import threading
 import weakref
 from collections.abc import Callable
@@ -32,6 +31,7 @@ import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 from torch.nn.attention.bias import causal_lower_right
 
+from rollplex.config import cascade_kernel_names
 from rollplex.models.compiled import compile_error_text, compile_errors, compile_fallback
 from rollplex.models.transfer import stream_key, to_device
 from rollplex.types import PrefixState
@@ -94,6 +94,7 @@ class SuffixPlan:
             ``suffix_bool_mask``) or a flex BlockMask (``suffix_block_mask``).
         host_prompt_lens: the G prompt lengths on the host (causal and cascade slice each group's
             boundary by them).
+        cascade_kernels: the cascade backend's kernels, "BOUNDARY,OWN" or "auto" (``cascade_kernels``).
     """
 
     prefix_keys: list[torch.Tensor]
@@ -103,12 +104,30 @@ class SuffixPlan:
     backend: str = "dense"
     mask: object | None = None
     host_prompt_lens: tuple[int, ...] = ()
+    cascade_kernels: str = "auto"
 
 
-def suffix_plan(prefix: PrefixState, group_size: int, length: int, backend: str) -> SuffixPlan:
+@dataclass(frozen=True)
+class SuffixAttention:
+    """How responses attend to their prompt's keys when they are scored: ``backend``
+    (``model.suffix_attention``: auto = the device and dtype's default, ``models.forward.suffix_backend``)
+    and, for the cascade backend, its kernels (``model.cascade_kernels``: auto or "BOUNDARY,OWN",
+    ``cascade_kernels``).
+
+    Example:
+        SuffixAttention("cascade", "flash,flash")   # cascade, flash attention for both parts
+    """
+
+    backend: str = "auto"
+    cascade_kernels: str = "auto"
+
+
+def suffix_plan(
+    prefix: PrefixState, group_size: int, length: int, backend: str, cascade_kernels: str = "auto"
+) -> SuffixPlan:
     """The ``SuffixPlan`` of responses scored against ``prefix``: ``length`` suffix positions per response
     (R), ``group_size`` responses per group (N), with ``backend``'s mask (``SuffixPlan.mask``) made once
-    for all layers.
+    for all layers, and the cascade backend's ``cascade_kernels`` ("BOUNDARY,OWN" or "auto").
 
     Raises:
         ValueError: ``backend`` is not one of ``SUFFIX_ATTENTION``.
@@ -122,6 +141,7 @@ def suffix_plan(prefix: PrefixState, group_size: int, length: int, backend: str)
         group_size,
         backend,
         host_prompt_lens=prefix.host_prompt_lens,
+        cascade_kernels=cascade_kernels,
     )
     p_max = prefix.keys[0].shape[2]
     if backend == "sdpa":
@@ -431,7 +451,7 @@ def _cudnn_backward(dout, q, k, v, out, lse, aux, causal: bool, scale: float):
     )  # fmt: skip
 
 
-# the kernels a cascade part can run, by the name ROLLPLEX_CASCADE_KERNELS gives them
+# the kernels a cascade part can run, by the name model.cascade_kernels gives them (config.CASCADE_KERNELS)
 ATTENTION_KERNELS = {
     "math": AttentionKernel("math", _math_forward, _math_backward),
     "flash": AttentionKernel("flash", _flash_forward, _flash_backward),
@@ -439,27 +459,25 @@ ATTENTION_KERNELS = {
 }
 
 
-def cascade_kernels(device: torch.device, dtype: torch.dtype) -> tuple[AttentionKernel, AttentionKernel]:
-    """The (boundary part, own part) kernels of the cascade backend: cuDNN's fused attention for the
+def cascade_kernels(
+    device: torch.device, dtype: torch.dtype, names: str = "auto"
+) -> tuple[AttentionKernel, AttentionKernel]:
+    """The (boundary part, own part) kernels of the cascade backend. ``names`` (``model.cascade_kernels``)
+    is "BOUNDARY,OWN", names of ``ATTENTION_KERNELS``, or "auto": cuDNN's fused attention for the
     boundary and flash attention for the responses' own keys on CUDA in bf16/fp16 (flash attention for
     both under ``torch.use_deterministic_algorithms``: cuDNN's backward does not repeat itself bit for
-    bit), the plain-PyTorch reference elsewhere. ``$ROLLPLEX_CASCADE_KERNELS`` ("boundary,own", names
-    of ``ATTENTION_KERNELS``) overrides it, for measuring.
+    bit), the plain-PyTorch reference elsewhere.
 
     Raises:
-        ValueError: an unknown kernel name in ``$ROLLPLEX_CASCADE_KERNELS``.
+        ConfigError (ValueError): ``names`` is neither auto nor two kernel names
+            (``config.cascade_kernel_names``).
     """
-    fast = device.type == "cuda" and dtype in (torch.bfloat16, torch.float16)
-    boundary = "flash" if torch.are_deterministic_algorithms_enabled() else "cudnn"
-    default = f"{boundary},flash" if fast else "math,math"
-    names = os.environ.get("ROLLPLEX_CASCADE_KERNELS", default).split(",")
-    if len(names) != 2 or not set(names) <= set(ATTENTION_KERNELS):
-        choices = "|".join(ATTENTION_KERNELS)
-        raise ValueError(
-            f"ROLLPLEX_CASCADE_KERNELS={','.join(names)!r}: expected BOUNDARY,OWN (the kernels of the "
-            f"boundary part and of the own-keys part), each one of {choices}, e.g. cudnn,flash"
-        )
-    return ATTENTION_KERNELS[names[0]], ATTENTION_KERNELS[names[1]]
+    parts = cascade_kernel_names(names)
+    if parts is None:
+        fast = device.type == "cuda" and dtype in (torch.bfloat16, torch.float16)
+        boundary = "flash" if torch.are_deterministic_algorithms_enabled() else "cudnn"
+        parts = (boundary, "flash") if fast else ("math", "math")
+    return ATTENTION_KERNELS[parts[0]], ATTENTION_KERNELS[parts[1]]
 
 
 def _heads_to_rows(x: torch.Tensor, hkv: int) -> torch.Tensor:
@@ -599,13 +617,12 @@ def cascade_shared_prefix_attention(query, own_keys, own_values, plan: SuffixPla
     sums the two query gradients. Kernels: ``cascade_kernels`` (the plain-PyTorch reference off CUDA).
     cuDNN's attention backward does not repeat itself bit for bit, so under
     ``torch.use_deterministic_algorithms`` the boundary part runs flash attention. Opt-in
-    (``ROLLPLEX_SUFFIX_ATTENTION=cascade``): at the 3B shape on one H200 one layer's forward + backward
-    over 8 groups took 9.9 ms against causal's 18.5 ms, but the GRPO step did not move
-    (docs/benchmarks.md).
+    (``model.suffix_attention: cascade``): its layer time against causal's, and the GRPO step's, are in
+    benchmarks/README.md.
 
     Each part's output is rounded to the activations' dtype before the merge, and the two query
-    gradients are added in it (in bf16 one rounding more than the causal backend: docs/benchmarks.md
-    gives both backends' errors against float64). In float32 on CUDA the parts run the plain-PyTorch
+    gradients are added in it (in bf16 one rounding more than the causal backend;
+    tests/numerics/test_gpu_paths.py bounds both backends' errors against float64). In float32 on CUDA the parts run the plain-PyTorch
     kernels, which hold the full score matrices. cuDNN builds one execution plan per new boundary
     length P_g (prompts of many lengths were not measured).
 
@@ -619,14 +636,14 @@ def cascade_shared_prefix_attention(query, own_keys, own_values, plan: SuffixPla
         [B, R, H, D], the query's dtype.
 
     Raises:
-        ValueError: the plan's G host lengths times N is not B, or a bad ``$ROLLPLEX_CASCADE_KERNELS``.
+        ValueError: the plan's G host lengths times N is not B, or bad ``plan.cascade_kernels``.
         RuntimeError: from torch's flash or cuDNN operators on a GPU, dtype or head dim they do not
             take (the causal backend, through SDPA's dispatcher, falls back to another kernel there).
     """
     b, _, _, d = query.shape
     _check_host_lens(plan, b)
     scale = d**-0.5 if scaling is None else float(scaling)
-    kernels = cascade_kernels(query.device, query.dtype)
+    kernels = cascade_kernels(query.device, query.dtype, plan.cascade_kernels)
     boundary = (plan.prefix_keys[layer], plan.prefix_values[layer])
     out = _CascadeAttention.apply(
         query, own_keys, own_values, *boundary, scale, kernels, tuple(plan.host_prompt_lens)

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import os
 
 import torch
 import torch.nn.functional as F
@@ -30,6 +29,7 @@ from rollplex.models.attention import (
     SUFFIX_ATTENTION,
     VISION_ATTENTION_NAME,
     PrefixPlan,
+    SuffixAttention,
     register,
     suffix_plan,
 )
@@ -47,6 +47,8 @@ from rollplex.models.transfer import to_device
 from rollplex.models.vision_layout import vision_layout
 from rollplex.models.vision_mlp import set_vision_mlp_padding
 from rollplex.types import PrefixState, Prompt
+
+AUTO_SUFFIX_ATTENTION = SuffixAttention()  # the device and dtype's backend (``suffix_backend``)
 
 
 def prepare_model(
@@ -296,6 +298,7 @@ def suffix_logprobs(
     temperature: float,
     banned_ids: torch.Tensor,
     with_entropy: bool = False,
+    attention: SuffixAttention = AUTO_SUFFIX_ATTENTION,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-probs of N responses per group against the group's boundary KV (paper §2.3 suffix).
 
@@ -303,6 +306,8 @@ def suffix_logprobs(
         prefix: boundary state of the G groups (attached for the actor: gradients flow into it).
         responses: int64 [B, R], B = G·N, right-padded (padding is scored but the caller masks it).
         group_size: N.
+        attention: the suffix attention backend and cascade kernels (``suffix_backend``; default: the
+            device and dtype's).
 
     Returns:
         (logprobs float32 [B, R], entropy float32 [B, R] or None). Token 0 is scored by the prefix's
@@ -316,8 +321,8 @@ def suffix_logprobs(
     if length == 1:
         ent = entropy_of(first_lp.detach())[:, None] if with_entropy else None
         return first, ent
-    backend = suffix_backend(responses.device, prefix.keys[0].dtype)
-    plan = suffix_plan(prefix, group_size, length - 1, backend)
+    backend = suffix_backend(responses.device, prefix.keys[0].dtype, attention.backend)
+    plan = suffix_plan(prefix, group_size, length - 1, backend, attention.cascade_kernels)
     embeds = lm.embed_tokens(responses[:, :-1])
     positions = response_positions(prefix.next_position, length - 1, group_size)
     hidden = _decoder(model, embeds, positions, plan)
@@ -336,29 +341,27 @@ LOGIT_CHUNK_ELEMENTS = 2**28  # logits computed at a time (1 GiB in fp32), per c
 SUFFIX_BACKENDS = tuple(SUFFIX_ATTENTION)  # dense, causal, cascade, sdpa, flex
 
 
-def suffix_backend(device: torch.device, dtype: torch.dtype) -> str:
-    """Suffix attention backend for activations of ``dtype`` on ``device``: ``$ROLLPLEX_SUFFIX_ATTENTION``
-    if set (dense | causal | cascade | sdpa | flex), else causal on CUDA in bf16/fp16 (flash attention
-    per group, ``models.attention.causal_shared_prefix_attention``), masked SDPA on CUDA in other dtypes
-    (flash attention does not take them, and causal would fall back to a materialised mask and fp32
-    scores), and the dense reference path on the CPU (flex_attention has no CPU backward). cascade
-    (``cascade_shared_prefix_attention``) is opt-in: one layer's suffix attention, forward and backward,
-    runs 1.9× faster than causal at the 3B shape, but the 3B GRPO step did not move on one H200
-    (docs/benchmarks.md).
+def suffix_backend(device: torch.device, dtype: torch.dtype, requested: str = "auto") -> str:
+    """The suffix attention backend for activations of ``dtype`` on ``device``: ``requested``
+    (``model.suffix_attention``: dense | causal | cascade | sdpa | flex), or for auto causal on CUDA in
+    bf16/fp16 (flash attention per group, ``models.attention.causal_shared_prefix_attention``), masked
+    SDPA on CUDA in other dtypes (flash attention does not take them, and causal would fall back to a
+    materialised mask and fp32 scores), and the dense reference path on the CPU (flex_attention has no
+    CPU backward). cascade (``cascade_shared_prefix_attention``) is opt-in: it speeds up one layer's
+    suffix attention more than the GRPO step (benchmarks/README.md).
 
     Raises:
         ValueError: an unknown backend name, or flex off CUDA.
     """
-    if device.type != "cuda":
-        default = "dense"
-    else:
-        default = "causal" if dtype in (torch.bfloat16, torch.float16) else "sdpa"
-    name = os.environ.get("ROLLPLEX_SUFFIX_ATTENTION", default)
-    if name not in SUFFIX_BACKENDS:
-        raise ValueError(f"ROLLPLEX_SUFFIX_ATTENTION={name!r}: expected one of {SUFFIX_BACKENDS}")
-    if name == "flex" and device.type != "cuda":
-        raise ValueError("ROLLPLEX_SUFFIX_ATTENTION=flex needs CUDA (flex_attention has no CPU backward)")
-    return name
+    if requested == "auto":
+        if device.type != "cuda":
+            return "dense"
+        return "causal" if dtype in (torch.bfloat16, torch.float16) else "sdpa"
+    if requested not in SUFFIX_BACKENDS:
+        raise ValueError(f"model.suffix_attention={requested!r}: expected auto or one of {SUFFIX_BACKENDS}")
+    if requested == "flex" and device.type != "cuda":
+        raise ValueError("model.suffix_attention=flex needs CUDA (flex_attention has no CPU backward)")
+    return requested
 
 
 def _row_chunks(hidden: torch.Tensor, vocab: int) -> list[slice]:

@@ -12,12 +12,12 @@ from rollplex.types import RolloutBatch, ShuffledAccuracy
 
 
 def make_step(cfg: Config, device: torch.device) -> Callable:
-    """The step function of ``cfg.run.schedule``: ``step(roles, prompts, timer)`` returns (scored batch,
+    """The step function of ``cfg.schedule.kind``: ``step(roles, prompts, timer)`` returns (scored batch,
     actor statistics, gradient norms, schedule metrics)."""
     from rollplex.schedule.rollplex import RollplexSchedule
     from rollplex.schedule.serial import serial_step
 
-    return serial_step if cfg.run.schedule == "serial" else RollplexSchedule(cfg, device)
+    return serial_step if cfg.schedule.kind == "serial" else RollplexSchedule(cfg, device)
 
 
 def shuffled_rollout(roles: Roles, rollout: RolloutBatch, timer) -> ShuffledAccuracy | None:

@@ -27,7 +27,7 @@ fusion) runs on the main stream, where Phase 2 can reuse its transient memory, a
 buffers come from the decode stream. The attached actor
 prefix's backward (Phase 2) runs its ops on the worker stream, where their forward ran; autograd orders
 those against the main stream itself (so the attached actor prefix never goes on a green stream:
-``run.prefix_sms`` needs prefill fusion). Without prefill fusion, the attached actor prefix runs on the
+``schedule.prefix_sms`` needs prefill fusion). Without prefill fusion, the attached actor prefix runs on the
 worker stream, so the parameters' gradient accumulators receive gradients from both streams; torch
 reports that with a warning, which ``cross_stream_backward`` turns off for that backward. The mismatch is
 by design, and torch synchronises it (the parameters equal serial's bitwise; on the GPU this was

@@ -3,7 +3,7 @@
     Phase 1  rollout decode of N responses per group (critical path, main thread, high-priority
              stream), from its own rollout prefix — or, with prefill fusion (docs/architecture.md), from the
              actor prefix's detached boundary (one prompt pass fewer);
-             concurrently (``run.overlap``, schedule.concurrency): reference prefix (detached) and actor
+             concurrently (``schedule.overlap``, schedule.concurrency): reference prefix (detached) and actor
              prefix (attached) once per group under θ_k, on a worker thread and its own CUDA stream,
              started once the decode step is captured
              (T-GRPO: then the shuffled-frame rollout, after decode and the prefixes, as in serial)
@@ -21,7 +21,7 @@ policy (overlap or not, decode priority, prefix chunks, SM carve-out, SM partiti
 only. Steps
 run their prefixes after decode, to measure decode and prefixes alone (Eq. 1's T_D and T_P), until a
 step that is not the first of its process has done so (``RollplexSchedule``: a new run's first two
-steps); ``auto`` then tries each policy ``run.auto_trials`` times (default 2), round robin, and keeps
+steps); ``auto`` then tries each policy ``schedule.auto_trials`` times (default 2), round robin, and keeps
 the first, in trial order, whose median decode/prefix span is within ``AUTO_TOLERANCE`` of the
 shortest (``choose_policy``).
 """
@@ -85,8 +85,8 @@ class CoRunPolicy:
 
     @classmethod
     def from_config(cls, cfg: Config) -> CoRunPolicy:
-        r = cfg.run
-        return cls(r.overlap, r.decode_priority, r.prefix_chunk_groups, r.prefix_sm_carveout, r.prefix_sms)
+        s = cfg.schedule
+        return cls(s.overlap, s.decode_priority, s.prefix_chunk_groups, s.prefix_sm_carveout, s.prefix_sms)
 
     @property
     def name(self) -> str:
@@ -103,7 +103,7 @@ def auto_candidates(device: torch.device) -> list[CoRunPolicy]:
     """The policies ``auto`` tries: prefixes after decode, overlap with decode priority, chunked issue
     (one group at a time), and an SM carve-out keeping half the SMs free of prefix GEMMs.
 
-    Not tried: the reference prefix confined to some SMs by a green context (``run.prefix_sms``). On
+    Not tried: the reference prefix confined to some SMs by a green context (``schedule.prefix_sms``). On
     one H200 at the 3B workload it cut decode's slowdown but stretched the prefix more
     (docs/benchmarks.md, run L: span 2.72 s on 72 SMs and 3.02 s on 40, against 2.55 s for overlap
     with priority alone), and the auto run that tried it peaked 14 GiB higher than one without."""
@@ -230,7 +230,7 @@ def phase1(roles: Roles, prompts: list[Prompt], timer, policy: CoRunPolicy) -> P
     """Rollout plus the reference and actor prefixes under ``policy``."""
     start = timer.now()
     fused, seed = None, None
-    if roles.config.run.prefill_fusion or roles.config.run.schedule == "auto":
+    if roles.config.schedule.prefill_fusion or roles.config.schedule.kind == "auto":
         with timer.phase("prefix"):
             fused = actor_prefixes(roles, prompts)
         seed = decode_seed(fused)
@@ -247,7 +247,7 @@ def phase1(roles: Roles, prompts: list[Prompt], timer, policy: CoRunPolicy) -> P
 
 
 class RollplexSchedule:
-    """The Rollplex step (``run.schedule`` rollplex or auto) with what it learns across steps: the
+    """The Rollplex step (``schedule.kind`` rollplex or auto) with what it learns across steps: the
     standalone decode and side-work times behind Eq. 1's T_D and T_P, and for ``auto`` the policy
     trials and the choice.
 
@@ -263,12 +263,12 @@ class RollplexSchedule:
 
     def __init__(self, cfg: Config, device: torch.device):
         self.policy = CoRunPolicy.from_config(cfg)
-        self.name = cfg.run.schedule  # "rollplex" or "auto" (schedule.make_step)
+        self.name = cfg.schedule.kind  # "rollplex" or "auto" (schedule.make_step)
         self.auto = self.name == "auto"
         self.trials: list[CoRunPolicy] = []
         self.timings: dict[CoRunPolicy, list[float]] = {}
         if self.auto:
-            self.trials = auto_candidates(device) * cfg.run.auto_trials
+            self.trials = auto_candidates(device) * cfg.schedule.auto_trials
             self.policy = self.trials[0]
         self.alone = Standalone()
         self.calibrated = False  # standalone figures from a step that was not its process's first
@@ -281,7 +281,7 @@ class RollplexSchedule:
 
     def _next_policy(self) -> CoRunPolicy:
         """The side work after decode until calibrated, and on a resumed run's first step while trials
-        remain; then ``auto`` tries each candidate ``run.auto_trials`` times, round robin, and keeps the
+        remain; then ``auto`` tries each candidate ``schedule.auto_trials`` times, round robin, and keeps the
         one ``choose_policy`` picks; otherwise the configured policy."""
         if self._trial_due():
             return self.trials[self.trials_done]
@@ -335,7 +335,7 @@ class RollplexSchedule:
 
     def load_state_dict(self, state: dict) -> None:
         """Continue from ``state_dict()``'s output: a resumed run neither recalibrates, once calibrated,
-        nor repeats trials, and keeps the trial plan it started with even if ``run.auto_trials`` changed
+        nor repeats trials, and keeps the trial plan it started with even if ``schedule.auto_trials`` changed
         on resume. auto keeps the policy it chose; a rollplex run takes its policy from the config it
         resumes with. A state saved before calibration and trial counts were kept is read as not
         calibrated (its figures came from a step that compiled) and with as many trials done as it
@@ -348,8 +348,8 @@ class RollplexSchedule:
         saved, current = state.get("schedule"), self.name
         if saved is not None and saved != current:
             raise ValueError(
-                f"run.schedule={current}, but the checkpoint's run used {saved}: resume with "
-                f"run.schedule={saved}, or start a new run"
+                f"schedule.kind={current}, but the checkpoint's run used {saved}: resume with "
+                f"schedule.kind={saved}, or start a new run"
             )
         self.calibrated = bool(state.get("calibrated", False))
         if self.auto:

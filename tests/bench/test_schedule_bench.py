@@ -9,13 +9,14 @@ import torch
 
 from rollplex.bench.schedule import (
     BASELINES,
-    ROW_ENV,
     ROWS,
     ScheduleBenchConfig,
     _Workload,
     run_schedule_bench,
 )
+from rollplex.config import ConfigError
 from rollplex.models import recompute
+from rollplex.models.attention import SuffixAttention
 from rollplex.models.compiled import compiled_scope
 from rollplex.schedule.rollplex import CALIBRATION_STEPS
 
@@ -30,7 +31,8 @@ def test_rows_reach_the_same_parameters(tmp_path):
     """Every row ends at its baseline's parameters (serial's; serial-whole-batch's for the rows that
     accumulate their gradient over the whole mini-batch at once; serial-torch-checkpoint's for the rows
     under torch's checkpoint), and its speedup is against that row."""
-    rows = tuple(name for name in ROWS if name not in ROW_ENV)  # flex_attention has no CPU backward
+    # flex_attention has no CPU backward
+    rows = tuple(name for name in ROWS if "model.suffix_attention" not in ROWS[name])
     cfg = _tiny(gradient_checkpointing=False, rows=rows, auto_trials=1)
     result = run_schedule_bench(cfg, tmp_path / "schedule.json")
     assert set(result.rows) == set(rows)
@@ -95,29 +97,54 @@ def test_a_row_whose_layers_ran_uncompiled_says_so(monkeypatch, capsys):
     assert "serial: layers ran uncompiled: InductorError: no Triton" in capsys.readouterr().out
 
 
-def test_the_suffix_attention_rows_select_their_backend_while_they_run(monkeypatch):
-    """serial-X and both-X run with ROLLPLEX_SUFFIX_ATTENTION=X (so models.forward picks that suffix
-    path) for X in causal, cascade, sdpa and flex, and the variable is as it was before them once they end."""
-    import rollplex.bench.schedule as schedule
-    from rollplex.models.forward import suffix_backend
-
-    seen = {}
-
-    def timed(work, name, cfg):
-        seen[name] = suffix_backend(torch.device("cuda"), torch.bfloat16)
-        return {"steps_taken": 1}, {}
-
-    monkeypatch.setattr(schedule, "_timed_row", timed)
-    monkeypatch.setenv("ROLLPLEX_SUFFIX_ATTENTION", "dense")
-    names = [f"{row}-{x}" for x in ("causal", "cascade", "sdpa", "flex") for row in ("serial", "both")]
-    for name in ("serial", *names, "both"):
-        schedule._run_row(None, name, None)
-    assert seen == {"serial": "dense", "both": "dense", **{name: name.split("-")[1] for name in names}}
-    monkeypatch.delenv("ROLLPLEX_SUFFIX_ATTENTION")
-    schedule._run_row(None, "both-flex", None)
-    assert "ROLLPLEX_SUFFIX_ATTENTION" not in os.environ and seen["both-flex"] == "flex"
+def test_the_suffix_attention_rows_select_their_backend_in_their_config():
+    """serial-X and both-X are serial and both with model.suffix_attention X, for X in causal, cascade,
+    sdpa and flex: their roles score with that backend, the other rows with the device's default."""
+    work = _Workload(_tiny(groups=1), torch.device("cpu"))
     for x in ("causal", "cascade", "sdpa", "flex"):
-        assert ROWS[f"serial-{x}"] == ROWS["serial"] and ROWS[f"both-{x}"] == ROWS["both"]
+        for row in ("serial", "both"):
+            settings = dict(ROWS[f"{row}-{x}"])
+            assert settings.pop("model.suffix_attention") == x and settings == ROWS[row]
+            roles = work.roles(ROWS[f"{row}-{x}"], _tiny(groups=1))
+            assert roles.suffix_attention == SuffixAttention(x)
+    assert work.roles(ROWS["both"], _tiny(groups=1)).suffix_attention == SuffixAttention("auto")
+
+
+def test_overrides_reach_every_row_and_a_rows_own_settings_win(capsys):
+    """``overrides`` (key=value, as rollplex train takes them) go into every row's config after the
+    workload's settings; where a row sets the same field, the row's value stands and a line says so."""
+    cfg = _tiny(
+        groups=1, overrides=("algo.kl_coef=0.5", "model.suffix_attention=sdpa", "schedule.overlap=false")
+    )
+    work = _Workload(cfg, torch.device("cpu"))
+    serial, both = work.roles(ROWS["serial"], cfg).config, work.roles(ROWS["both"], cfg).config
+    assert serial.algo.kl_coef == both.algo.kl_coef == 0.5
+    assert serial.model.suffix_attention == both.model.suffix_attention == "sdpa"
+    assert work.roles(ROWS["serial-causal"], cfg).config.model.suffix_attention == "causal"
+    assert (serial.schedule.overlap, both.schedule.overlap) == (False, True)  # both sets its own
+    run_schedule_bench(_tiny(groups=1, rows=("serial", "both"), overrides=("schedule.overlap=false",)))
+    assert "both: the row's own schedule.overlap replaces the override" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    ("override", "needles"),
+    [
+        ("algo.kl_coef=-1", ["algo.kl_coef=-1", ">= 0"]),
+        ("schedule.kind=fast", ["schedule.kind", "serial"]),
+        ("rollout.group_size=4", ["rollout.group_size takes no effect", "--group-size"]),
+        ("data.train_path=x.json", ["data.train_path takes no effect"]),
+        ("run.steps=3", ["run.steps takes no effect"]),
+        ("model.path=/models/3b", ["model.path takes no effect"]),
+    ],
+)
+def test_bad_overrides_are_refused_before_the_workload_is_built(monkeypatch, override, needles):
+    import rollplex.bench.schedule as schedule
+
+    monkeypatch.setattr(schedule, "_Workload", lambda *a: pytest.fail("the workload was built"))
+    with pytest.raises(ConfigError) as info:
+        run_schedule_bench(_tiny(overrides=(override,)))
+    for needle in needles:
+        assert needle in str(info.value)
 
 
 def test_updates_are_compared_with_the_baselines_as_a_relative_l2_difference():
@@ -166,12 +193,10 @@ def _fail_row(monkeypatch, failing: str, message: str) -> None:
 
 def test_a_failing_row_is_recorded_and_the_others_run(monkeypatch):
     """A row that raises (here the flex row, as a kernel that does not compile would) is recorded with
-    its error, its environment is restored, and the next row runs and is compared."""
+    its error, and the next row runs and is compared."""
     _fail_row(monkeypatch, "serial-flex", "NoValidChoicesError")
-    monkeypatch.delenv("ROLLPLEX_SUFFIX_ATTENTION", raising=False)
     result = run_schedule_bench(_tiny(groups=1, rows=("serial", "serial-flex", "serial-again")))
     assert result.rows["serial-flex"] == {"error": "RuntimeError: NoValidChoicesError"}
-    assert "ROLLPLEX_SUFFIX_ATTENTION" not in os.environ
     assert result.rows["serial-again"]["optimizer_tensors_differing"] == 0
 
 

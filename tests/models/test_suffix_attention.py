@@ -21,6 +21,7 @@ from rollplex.models.attention import (
     suffix_plan,
 )
 from rollplex.models.forward import suffix_backend
+from tests.numerics.conftest import make_prompt, tiny_config
 
 N, H, HKV, D = 3, 6, 2, 8
 
@@ -107,48 +108,74 @@ def test_a_plan_of_an_unknown_backend_is_refused():
         suffix_plan(prefix, 1, 1, "flash")
 
 
-def test_the_default_backend_by_device_and_dtype(monkeypatch):
+def test_the_default_backend_by_device_and_dtype():
     """causal where flash attention can take the activations (CUDA, bf16/fp16), masked SDPA on CUDA
-    otherwise, the dense reference on the CPU; the environment variable overrides (cascade is opt-in),
-    and is checked (flex only on CUDA)."""
-    monkeypatch.delenv("ROLLPLEX_SUFFIX_ATTENTION", raising=False)
+    otherwise, the dense reference on the CPU; a named backend (model.suffix_attention) overrides
+    (cascade is opt-in), and is checked (flex only on CUDA)."""
     cuda, cpu = torch.device("cuda"), torch.device("cpu")
     assert [suffix_backend(cuda, t) for t in (torch.bfloat16, torch.float16)] == ["causal", "causal"]
     assert [suffix_backend(cuda, t) for t in (torch.float32, torch.float64)] == ["sdpa", "sdpa"]
     assert suffix_backend(cpu, torch.bfloat16) == "dense"
-    monkeypatch.setenv("ROLLPLEX_SUFFIX_ATTENTION", "causal")
-    assert suffix_backend(cpu, torch.float64) == "causal"
-    monkeypatch.setenv("ROLLPLEX_SUFFIX_ATTENTION", "cascade")
-    assert suffix_backend(cuda, torch.bfloat16) == "cascade"
-    monkeypatch.setenv("ROLLPLEX_SUFFIX_ATTENTION", "flex")
-    assert suffix_backend(cuda, torch.bfloat16) == "flex"
+    assert suffix_backend(cpu, torch.bfloat16, "auto") == "dense"
+    assert suffix_backend(cpu, torch.float64, "causal") == "causal"
+    assert suffix_backend(cuda, torch.bfloat16, "cascade") == "cascade"
+    assert suffix_backend(cuda, torch.bfloat16, "flex") == "flex"
     with pytest.raises(ValueError, match="flex needs CUDA"):
-        suffix_backend(cpu, torch.float32)
-    monkeypatch.setenv("ROLLPLEX_SUFFIX_ATTENTION", "flash")
-    with pytest.raises(ValueError, match="ROLLPLEX_SUFFIX_ATTENTION='flash'"):
-        suffix_backend(cuda, torch.bfloat16)
+        suffix_backend(cpu, torch.float32, "flex")
+    with pytest.raises(ValueError, match="model.suffix_attention='flash'"):
+        suffix_backend(cuda, torch.bfloat16, "flash")
 
 
 def test_cascade_kernels_by_device_dtype_and_determinism(monkeypatch):
     """cuDNN for the boundary and flash for the own keys on CUDA in bf16/fp16, flash for both under
-    deterministic algorithms, the plain-PyTorch parts elsewhere; the environment variable overrides,
-    and is checked."""
-    monkeypatch.delenv("ROLLPLEX_CASCADE_KERNELS", raising=False)
+    deterministic algorithms, the plain-PyTorch parts elsewhere; named kernels (model.cascade_kernels)
+    override, and are checked."""
     cuda, cpu = torch.device("cuda"), torch.device("cpu")
 
-    def names(device, dtype):
-        return [k.name for k in cascade_kernels(device, dtype)]
+    def names(device, dtype, kernels="auto"):
+        return [k.name for k in cascade_kernels(device, dtype, kernels)]
 
     assert names(cuda, torch.bfloat16) == names(cuda, torch.float16) == ["cudnn", "flash"]
     assert names(cuda, torch.float32) == names(cpu, torch.bfloat16) == ["math", "math"]
     monkeypatch.setattr(torch, "are_deterministic_algorithms_enabled", lambda: True)
     assert names(cuda, torch.bfloat16) == ["flash", "flash"]
-    monkeypatch.setenv("ROLLPLEX_CASCADE_KERNELS", "math,cudnn")
-    assert names(cuda, torch.bfloat16) == ["math", "cudnn"]
+    assert names(cuda, torch.bfloat16, "math,cudnn") == ["math", "cudnn"]
     for bad in ("cudnn", "cudnn,flash,math", "cudnn,xformers"):
-        monkeypatch.setenv("ROLLPLEX_CASCADE_KERNELS", bad)
-        with pytest.raises(ValueError, match="ROLLPLEX_CASCADE_KERNELS=.*expected BOUNDARY,OWN"):
-            cascade_kernels(cuda, torch.bfloat16)
+        with pytest.raises(ValueError, match="model.cascade_kernels=.*expected auto or BOUNDARY,OWN"):
+            cascade_kernels(cuda, torch.bfloat16, bad)
+
+
+def test_a_suffix_pass_runs_the_kernels_its_settings_name(monkeypatch):
+    """``suffix_logprobs`` takes its backend and cascade kernels from its ``attention`` argument, and
+    the cascade attention runs the kernels it names (here the plain-PyTorch parts, recorded)."""
+    import rollplex.models.attention as attention
+    import rollplex.models.forward as forward
+
+    seen = []
+    real = attention.cascade_kernels
+    monkeypatch.setattr(attention, "cascade_kernels", lambda *args: seen.append(args[2:]) or real(*args))
+    plans = []
+    real_plan = forward.suffix_plan
+    monkeypatch.setattr(forward, "suffix_plan", lambda *args: plans.append(args[3:]) or real_plan(*args))
+    from transformers import Qwen2_5_VLForConditionalGeneration
+
+    torch.manual_seed(0)
+    model = Qwen2_5_VLForConditionalGeneration(tiny_config()).double()
+    forward.prepare_model(model)
+    prompt = make_prompt([3, 2], [], seed=1)
+    banned = torch.zeros(0, dtype=torch.int64)
+    prefix = forward.prefix_forward(model, [prompt], temperature=1.0, banned_ids=banned, attached=False)
+    settings = attention.SuffixAttention("cascade", "math,math")
+    with torch.no_grad():
+        forward.suffix_logprobs(
+            model, prefix, torch.tensor([[5, 6, 7]]), group_size=1, temperature=1.0, banned_ids=banned,
+            attention=settings,
+        )  # fmt: skip
+        forward.suffix_logprobs(
+            model, prefix, torch.tensor([[5, 6, 7]]), group_size=1, temperature=1.0, banned_ids=banned
+        )
+    assert plans == [("cascade", "math,math"), ("dense", "auto")]
+    assert seen and set(seen) == {("math,math",)}
 
 
 def test_the_merge_falls_back_to_eager_after_a_compile_error(monkeypatch, caplog):

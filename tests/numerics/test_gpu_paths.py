@@ -10,13 +10,12 @@ SDPA's + 1e-3; bf16 rollout-recorded vs trainer log-probs max |Δ| ≤ 0.1, mean
 from __future__ import annotations
 
 import copy
-import os
-from unittest.mock import patch
 
 import pytest
 import torch
 
-from rollplex.models.forward import prefix_forward, suffix_logprobs
+from rollplex.models.attention import SuffixAttention
+from rollplex.models.forward import AUTO_SUFFIX_ATTENTION, prefix_forward, suffix_logprobs
 from rollplex.rollout import decode
 from rollplex.rollout.decode import GATE_MAX_ROWS
 from rollplex.rollout.engine import SamplingParams, generate
@@ -44,31 +43,35 @@ def _prompts(device, dtype):
     return _to(prompts, device, dtype)
 
 
-def _score(model, prompts, responses, attached):
+def _score(model, prompts, responses, attached, attention=AUTO_SUFFIX_ATTENTION):
     prefix = prefix_forward(model, prompts, temperature=T, banned_ids=BANNED, attached=attached)
-    return suffix_logprobs(model, prefix, responses, group_size=N, temperature=T, banned_ids=BANNED)[0]
+    return suffix_logprobs(
+        model, prefix, responses, group_size=N, temperature=T, banned_ids=BANNED, attention=attention
+    )[0]
 
 
-def _scored_with(backend, model, prompts, responses):
-    """``_score`` (attached) and its backward under the suffix attention ``backend``: the log-probs and
-    every parameter's gradient."""
+def _scored_with(backend, model, prompts, responses, kernels="auto"):
+    """``_score`` (attached) and its backward under the suffix attention ``backend`` (cascade with
+    ``kernels``): the log-probs and every parameter's gradient."""
     model.zero_grad(set_to_none=True)
-    with _suffix_backend(backend):
-        lp = _score(model, prompts, responses, attached=True)
-        _weighted(lp).backward()
+    lp = _score(model, prompts, responses, attached=True, attention=SuffixAttention(backend, kernels))
+    _weighted(lp).backward()
     return lp.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
 
 
-def _suffix_kernels(backend, model, prompts, responses) -> set[str]:
-    """The names of the CUDA kernels of one detached suffix pass under ``backend`` (the prefix runs
-    before the profile starts: its own attention runs flash attention too)."""
+def _suffix_kernels(backend, model, prompts, responses, kernels="auto") -> set[str]:
+    """The names of the CUDA kernels of one detached suffix pass under ``backend`` (cascade with
+    ``kernels``; the prefix runs before the profile starts: its own attention runs flash attention too)."""
     from torch.profiler import ProfilerActivity, profile
 
-    with _suffix_backend(backend), torch.no_grad():
+    attention = SuffixAttention(backend, kernels)
+    with torch.no_grad():
         prefix = prefix_forward(model, prompts, temperature=T, banned_ids=BANNED, attached=False)
         torch.cuda.synchronize()
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            suffix_logprobs(model, prefix, responses, group_size=N, temperature=T, banned_ids=BANNED)
+            suffix_logprobs(
+                model, prefix, responses, group_size=N, temperature=T, banned_ids=BANNED, attention=attention
+            )
             torch.cuda.synchronize()
     return {e.key for e in prof.key_averages()}
 
@@ -76,11 +79,6 @@ def _suffix_kernels(backend, model, prompts, responses) -> set[str]:
 def _weighted(lp):
     """A loss that weights the rows differently: -1 .. 1 down the batch."""
     return (lp * torch.linspace(-1, 1, lp.shape[0], dtype=lp.dtype, device=lp.device)[:, None]).sum()
-
-
-def _suffix_backend(name):
-    """``ROLLPLEX_SUFFIX_ATTENTION`` set to ``name`` inside, as it was after."""
-    return patch.dict(os.environ, {"ROLLPLEX_SUFFIX_ATTENTION": name})
 
 
 def _responses(count, length):
@@ -109,38 +107,38 @@ def test_fused_suffix_matches_dense(models, backend, length):
         assert rel <= 1e-3, (name, float(rel))
 
 
-def _errors_against_the_oracle(oracle, model, prompts, responses, backends) -> dict:
+def _errors_against_the_oracle(oracle, model, prompts, responses, backends, kernels="auto") -> dict:
     """Per suffix backend: (log-probs − the float64 oracle's, every parameter's gradient's relative L2
     error), of ``model`` (bf16, CUDA) scored attached and backpropagated as ``_scored_with`` does, the
-    oracle being a copy of ``oracle`` (float64) on the CPU under the dense suffix."""
+    oracle being a copy of ``oracle`` (float64) on the CPU under the dense suffix; cascade with
+    ``kernels``."""
     oracle = copy.deepcopy(oracle)
     oracle.zero_grad(set_to_none=True)
-    with _suffix_backend("dense"):
-        want = _score(oracle, _prompts("cpu", torch.float64), responses.cpu(), attached=True)
-        _weighted(want).backward()
+    dense = SuffixAttention("dense")
+    want = _score(oracle, _prompts("cpu", torch.float64), responses.cpu(), attached=True, attention=dense)
+    _weighted(want).backward()
     want_grad = torch.cat([p.grad.flatten() for p in oracle.parameters()])
     errors = {}
     for backend in backends:
-        lp, grads = _scored_with(backend, model, prompts, responses)
+        lp, grads = _scored_with(backend, model, prompts, responses, kernels)
         got = torch.cat([g.flatten() for g in grads.values()]).double().cpu()
         errors[backend] = (lp.double().cpu() - want.detach(), (got - want_grad).norm() / want_grad.norm())
     return errors
 
 
 @pytest.mark.parametrize("kernels", ["cudnn,flash", "flash,flash"])
-def test_cascade_suffix_in_bf16(models, kernels, monkeypatch):
+def test_cascade_suffix_in_bf16(models, kernels):
     """bf16 on CUDA: the cascade suffix pass launches its parts' kernels (cuDNN's for the boundary by
     default, flash attention's for the own keys), and its log-probs and gradients are as close to the
     float64 oracle (dense, on the CPU) as the causal backend's: log-probs within B01's bf16 reference
     (0.05 max, 2e-3 mean), the gradient's relative L2 error at most twice causal's, plus 1e-3."""
-    monkeypatch.setenv("ROLLPLEX_CASCADE_KERNELS", kernels)
     model = _bf16_model(models[0])
     prompts = _prompts("cuda", torch.bfloat16)
     responses = _responses(len(prompts) * N, 20)
-    names = _suffix_kernels("cascade", model, prompts, responses)
+    names = _suffix_kernels("cascade", model, prompts, responses, kernels)
     assert any("pytorch_flash" in k for k in names), names  # the own part, in either setting
     assert any("cudnn" in k.lower() for k in names) == kernels.startswith("cudnn"), names
-    errors = _errors_against_the_oracle(models[0], model, prompts, responses, ("cascade", "causal"))
+    errors = _errors_against_the_oracle(models[0], model, prompts, responses, ("cascade", "causal"), kernels)
     diff, rel = errors["cascade"]
     print(f"cascade ({kernels}) vs float64: log-probs max {float(diff.abs().max()):.3g}, gradient {float(rel):.3g};"
           f" causal: gradient {float(errors['causal'][1]):.3g}")  # fmt: skip

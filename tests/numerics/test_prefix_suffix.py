@@ -15,6 +15,7 @@ import weakref
 import pytest
 import torch
 
+from rollplex.models.attention import SuffixAttention
 from rollplex.models.forward import (
     enable_checkpointing,
     merge_prefixes,
@@ -51,12 +52,14 @@ BACKENDS = pytest.mark.parametrize("backend", ["dense", "causal", "cascade", "sd
 
 
 @BACKENDS
-def test_suffix_logprobs_match_full_sequence(models, backend, monkeypatch):
-    monkeypatch.setenv("ROLLPLEX_SUFFIX_ATTENTION", backend)
+def test_suffix_logprobs_match_full_sequence(models, backend):
     model, oracle = models
     prompts, responses, lens = _batch()
     prefix = prefix_forward(model, prompts, temperature=T, banned_ids=BANNED, attached=False)
-    got, _ = suffix_logprobs(model, prefix, responses, group_size=N, temperature=T, banned_ids=BANNED)
+    got, _ = suffix_logprobs(
+        model, prefix, responses, group_size=N, temperature=T, banned_ids=BANNED,
+        attention=SuffixAttention(backend),
+    )  # fmt: skip
     with torch.no_grad():
         want = _oracle_rows(oracle, prompts, responses, lens)
     for b, ref in enumerate(want):
@@ -133,14 +136,17 @@ def _grads(model) -> dict[str, torch.Tensor]:
     return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
-def _check_gradients(model, oracle, trainable_vision: bool):
+def _check_gradients(model, oracle, trainable_vision: bool, backend: str = "auto"):
     prompts, responses, lens = _batch()
     for m in (model, oracle):
         m.zero_grad(set_to_none=True)
         m.requires_grad_(True)
         m.model.visual.requires_grad_(trainable_vision)
     prefix = prefix_forward(model, prompts, temperature=T, banned_ids=BANNED, attached=True)
-    got, _ = suffix_logprobs(model, prefix, responses, group_size=N, temperature=T, banned_ids=BANNED)
+    got, _ = suffix_logprobs(
+        model, prefix, responses, group_size=N, temperature=T, banned_ids=BANNED,
+        attention=SuffixAttention(backend),
+    )  # fmt: skip
     _loss([got[b, : lens[b]] for b in range(len(lens))]).backward()
     _loss(_oracle_rows(oracle, prompts, responses, lens)).backward()
     mine, ref = _grads(model), _grads(oracle)
@@ -152,9 +158,8 @@ def _check_gradients(model, oracle, trainable_vision: bool):
 
 
 @BACKENDS
-def test_gradients_match_full_sequence_including_vision(models, backend, monkeypatch):
-    monkeypatch.setenv("ROLLPLEX_SUFFIX_ATTENTION", backend)
-    mine = _check_gradients(*models, trainable_vision=True)
+def test_gradients_match_full_sequence_including_vision(models, backend):
+    mine = _check_gradients(*models, trainable_vision=True, backend=backend)
     assert any(n.startswith("model.visual.blocks.0") for n in mine)
     assert any(n.startswith("model.visual.merger") for n in mine)
     assert all(float(g.abs().max()) > 0 for n, g in mine.items() if n.startswith("model.visual.merger"))

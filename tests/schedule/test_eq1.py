@@ -67,7 +67,7 @@ def test_sequential_step_measures_the_standalone_figures():
 
 
 def test_auto_tries_each_policy_twice_then_keeps_the_fastest_median(assets, tmp_path):  # noqa: F811
-    cfg = _config(assets, tmp_path, 1, **{"run.schedule": "auto"})
+    cfg = _config(assets, tmp_path, 1, **{"schedule.kind": "auto"})
     schedule = RollplexSchedule(cfg, torch.device("cpu"))
     candidates = auto_candidates(torch.device("cpu"))
     assert candidates[0] == CoRunPolicy(overlap=False) and schedule.trials == candidates * 2
@@ -116,7 +116,9 @@ def test_auto_keeps_the_simplest_policy_within_the_tolerance_of_the_shortest_spa
 def test_auto_keeps_the_policy_choose_policy_picks_after_its_last_trial(assets, tmp_path):  # noqa: F811
     """The trials' medians go through ``choose_policy``: the chunked candidate 0.1% ahead of overlap
     with priority does not displace it."""
-    schedule = RollplexSchedule(_config(assets, tmp_path, 1, **{"run.schedule": "auto"}), torch.device("cpu"))
+    schedule = RollplexSchedule(
+        _config(assets, tmp_path, 1, **{"schedule.kind": "auto"}), torch.device("cpu")
+    )
     spans = dict(zip(auto_candidates(torch.device("cpu")), (2.369, 2.302, 2.300)))
     for policy in schedule.trials:
         schedule._learn(policy, spans[policy])
@@ -132,7 +134,7 @@ def test_a_resumed_auto_run_chooses_in_trial_order_whatever_order_its_spans_were
     never interrupted (the choice follows the trial plan's order, not the saved spans')."""
     import io
 
-    cfg = _config(assets, tmp_path, 1, **{"run.schedule": "auto"})
+    cfg = _config(assets, tmp_path, 1, **{"schedule.kind": "auto"})
     first = RollplexSchedule(cfg, torch.device("cpu"))
     spans = dict(zip(auto_candidates(torch.device("cpu")), (2.369, 2.302, 2.300)))
     half = len(first.trials) // 2
@@ -154,15 +156,15 @@ def test_a_resumed_rollplex_run_takes_its_policy_from_its_config_and_auto_its_ch
     """A rollplex run resumed with another co-running setting uses it (it is the user's to change);
     auto resumes with the policy it chose, not a configured one."""
     saved = RollplexSchedule(
-        _config(assets, tmp_path, 1, **{"run.schedule": "rollplex", "run.prefix_chunk_groups": 1}),
+        _config(assets, tmp_path, 1, **{"schedule.kind": "rollplex", "schedule.prefix_chunk_groups": 1}),
         torch.device("cpu"),
     ).state_dict()
     resumed = RollplexSchedule(
-        _config(assets, tmp_path, 1, **{"run.schedule": "rollplex"}), torch.device("cpu")
+        _config(assets, tmp_path, 1, **{"schedule.kind": "rollplex"}), torch.device("cpu")
     )
     resumed.load_state_dict(saved)
     assert resumed.policy == CoRunPolicy() and saved["policy"]["chunk_groups"] == 1
-    auto = RollplexSchedule(_config(assets, tmp_path, 1, **{"run.schedule": "auto"}), torch.device("cpu"))
+    auto = RollplexSchedule(_config(assets, tmp_path, 1, **{"schedule.kind": "auto"}), torch.device("cpu"))
     chosen = auto.state_dict() | {"policy": asdict(CoRunPolicy(chunk_groups=1))}
     auto.load_state_dict(chosen)
     assert auto.policy == CoRunPolicy(chunk_groups=1)
@@ -173,19 +175,41 @@ def test_a_run_cannot_switch_between_auto_and_rollplex_on_resume(assets, tmp_pat
     the other, naming both, before anything of the state is taken."""
 
     def make(name):
-        return RollplexSchedule(_config(assets, tmp_path, 1, **{"run.schedule": name}), torch.device("cpu"))
+        return RollplexSchedule(_config(assets, tmp_path, 1, **{"schedule.kind": name}), torch.device("cpu"))
 
     for saved, resumed in (("auto", "rollplex"), ("rollplex", "auto")):
         state, schedule = make(saved).state_dict() | {"calibrated": True, "trials_done": 3}, make(resumed)
         with pytest.raises(
-            ValueError, match=f"run.schedule={resumed}, but the checkpoint's run used {saved}"
+            ValueError, match=f"schedule.kind={resumed}, but the checkpoint's run used {saved}"
         ):
             schedule.load_state_dict(state)
         assert not schedule.calibrated and schedule.trials_done == 0
 
 
+def test_a_checkpoint_of_the_run_schedule_setting_resumes(assets, tmp_path):  # noqa: F811
+    """Checkpoints saved while the setting was ``run.schedule`` hold the same schedule state, its kind
+    under "schedule": they resume under ``schedule.kind`` of that kind, and the other kind is refused
+    naming the field as it is now."""
+    cpu = torch.device("cpu")
+    saved = {  # a calibrated rollplex run's schedule state, as trainer_state.pt held it then
+        "schedule": "rollplex",
+        "calibrated": True,
+        "policy": asdict(CoRunPolicy()),
+        "trials": [],
+        "trials_done": 0,
+        "timings": [],
+        "alone": asdict(Standalone(0.25, 0.5)),
+    }
+    resumed = RollplexSchedule(_config(assets, tmp_path, 1, **{"schedule.kind": "rollplex"}), cpu)
+    resumed.load_state_dict(saved)
+    assert resumed.calibrated and resumed.alone == Standalone(0.25, 0.5)
+    auto = RollplexSchedule(_config(assets, tmp_path, 1, **{"schedule.kind": "auto"}), cpu)
+    with pytest.raises(ValueError, match="schedule.kind=auto, but the checkpoint's run used rollplex"):
+        auto.load_state_dict(saved)
+
+
 def test_auto_trials_sets_the_trials_per_policy(assets, tmp_path):  # noqa: F811
-    cfg = _config(assets, tmp_path, 1, **{"run.schedule": "auto", "run.auto_trials": 1})
+    cfg = _config(assets, tmp_path, 1, **{"schedule.kind": "auto", "schedule.auto_trials": 1})
     schedule = RollplexSchedule(cfg, torch.device("cpu"))
     assert schedule.trials == auto_candidates(torch.device("cpu"))
 
@@ -193,7 +217,7 @@ def test_auto_trials_sets_the_trials_per_policy(assets, tmp_path):  # noqa: F811
 def test_metrics_hold_eq1_terms(assets, tmp_path):  # noqa: F811
     """Every rollplex step writes the Eq. 1 terms to metrics.jsonl; T_D is known on overlapped steps
     too (from the calibration steps when no decode step ran alone)."""
-    run_dir = train(_config(assets, tmp_path, 3, **{"run.schedule": "rollplex", "eval.every": 0}))
+    run_dir = train(_config(assets, tmp_path, 3, **{"schedule.kind": "rollplex", "eval.every": 0}))
     rows = [r for r in _metrics(run_dir) if "loss" in r]
     for row in rows:
         assert set(KEYS) <= set(row)
@@ -208,7 +232,7 @@ def test_resumed_auto_run_neither_recalibrates_nor_repeats_trials(assets, tmp_pa
     """6 auto steps == 2 + resume + 4 in the policy each step ran (calibration, then the round-robin
     trials; the resumed process's first step runs its prefixes after decode and is no trial, so the
     trials follow it in order), and in weights: the schedule's state is in the checkpoint."""
-    extra = {"run.schedule": "auto", "eval.every": 0, "run.device": "cpu"}
+    extra = {"schedule.kind": "auto", "eval.every": 0, "run.device": "cpu"}
     straight = train(_config(assets, tmp_path / "straight", 6, **extra))
     split = train(_config(assets, tmp_path / "split", 2, **extra))
     train(_config(assets, split, 6, **extra), resume=True)
@@ -227,7 +251,7 @@ def test_a_run_resumed_before_it_calibrated_calibrates_in_a_warmed_up_step(asset
     """Standalone figures stand only from a step that was not its process's first (which also
     compiles): a run saved after one step runs two more steps after decode on resume, and its
     overlapped steps take the second of them as T_P; a calibrated run does not calibrate again."""
-    extra = {"run.schedule": "rollplex", "eval.every": 0, "run.device": "cpu", "run.save_every": 1}
+    extra = {"schedule.kind": "rollplex", "eval.every": 0, "run.device": "cpu", "run.save_every": 1}
     run = train(_config(assets, tmp_path / "run", 1, **extra))
     train(_config(assets, run, 4, **extra), resume=True)
     rows = [r for r in _metrics(run) if "loss" in r]
@@ -242,7 +266,7 @@ def test_a_resumed_auto_run_counts_no_trial_in_its_first_step(assets, tmp_path):
     """A resumed auto run whose trials remain runs its process's first step after decode and does not
     count it as a trial (it also compiles); a state saved before trial counts were kept continues as
     the trials its spans hold, and calibrates again (its figures came from the step that compiled)."""
-    cfg = _config(assets, tmp_path, 1, **{"run.schedule": "auto", "run.auto_trials": 1})
+    cfg = _config(assets, tmp_path, 1, **{"schedule.kind": "auto", "schedule.auto_trials": 1})
     saved = RollplexSchedule(cfg, torch.device("cpu"))
     candidates = auto_candidates(torch.device("cpu"))
     for _ in range(CALIBRATION_STEPS + 1):  # calibration, then the first trial
@@ -284,15 +308,15 @@ def test_a_resumed_auto_run_counts_no_trial_in_its_first_step(assets, tmp_path):
 
 @pytest.mark.parametrize("resumed_trials", [1, 3])
 def test_resume_keeps_the_trial_plan_it_started_with(assets, tmp_path, resumed_trials):  # noqa: F811
-    """A run resumed mid-trials with another ``run.auto_trials`` finishes the plan it started: the same
+    """A run resumed mid-trials with another ``schedule.auto_trials`` finishes the plan it started: the same
     calibration and round robin as a straight run (after the resumed process's first step, no trial),
     then one kept policy (the choice itself depends on measured spans, so only its being one policy is
     compared)."""
-    extra = {"run.schedule": "auto", "eval.every": 0, "run.device": "cpu", "run.auto_trials": 2}
+    extra = {"schedule.kind": "auto", "eval.every": 0, "run.device": "cpu", "schedule.auto_trials": 2}
     plan = CALIBRATION_STEPS + 2 * len(auto_candidates(torch.device("cpu")))  # calibration + trials
     straight = train(_config(assets, tmp_path / "straight", plan, **extra))
     split = train(_config(assets, tmp_path / "split", 5, **extra))
-    train(_config(assets, split, plan + 3, **{**extra, "run.auto_trials": resumed_trials}), resume=True)
+    train(_config(assets, split, plan + 3, **{**extra, "schedule.auto_trials": resumed_trials}), resume=True)
     policy = lambda run: [  # noqa: E731
         {k: v for k, v in row.items() if k.startswith("schedule/")} for row in _metrics(run) if "loss" in row
     ]

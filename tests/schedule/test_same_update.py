@@ -21,19 +21,23 @@ from tests.test_loop import _config, _metrics, _weights, assets  # noqa: F401  (
 
 SCHEDULES = {
     "serial": {},
-    "rollplex": {"run.schedule": "rollplex"},
-    "sequential": {"run.schedule": "rollplex", "run.overlap": "false"},
-    "fused": {"run.schedule": "rollplex", "run.prefill_fusion": "true"},
-    "fused-sequential": {"run.schedule": "rollplex", "run.prefill_fusion": "true", "run.overlap": "false"},
-    "chunked": {"run.schedule": "rollplex", "run.prefix_chunk_groups": "1"},
+    "rollplex": {"schedule.kind": "rollplex"},
+    "sequential": {"schedule.kind": "rollplex", "schedule.overlap": "false"},
+    "fused": {"schedule.kind": "rollplex", "schedule.prefill_fusion": "true"},
+    "fused-sequential": {
+        "schedule.kind": "rollplex",
+        "schedule.prefill_fusion": "true",
+        "schedule.overlap": "false",
+    },
+    "chunked": {"schedule.kind": "rollplex", "schedule.prefix_chunk_groups": "1"},
     # the reference prefix on 16 SMs while decode runs (a green context on CUDA; on a CPU, fused + chunked)
     "green": {
-        "run.schedule": "rollplex",
-        "run.prefill_fusion": "true",
-        "run.prefix_chunk_groups": "1",
-        "run.prefix_sms": "16",
+        "schedule.kind": "rollplex",
+        "schedule.prefill_fusion": "true",
+        "schedule.prefix_chunk_groups": "1",
+        "schedule.prefix_sms": "16",
     },
-    "auto": {"run.schedule": "auto"},
+    "auto": {"schedule.kind": "auto"},
 }
 # timing prefixes ("gc_": the garbage collector's time and passes) and the decode step's setup time
 TIMING = ("time/", "eq1/", "schedule/", "gc_", "decode/setup_s")
