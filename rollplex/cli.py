@@ -51,14 +51,14 @@ def _train(args: argparse.Namespace) -> None:
     from rollplex.config import format_config_help, load_config
 
     if args.help_config:
-        from rollplex.defaults import default_run_config
+        from rollplex.default_job import default_run_config
 
         print(format_config_help(default_run_config(prepare=False)))
         return
     config, overrides = split_train_args(args.items)
     base = None
     if config is None:
-        from rollplex.defaults import default_run_config
+        from rollplex.default_job import default_run_config
 
         # the overrides checked against the default job first: a bad one fails in a fraction of a
         # second, before the cache's check imports torch and the rest (about 4 s)

@@ -535,39 +535,45 @@ _MIN_MAX = (
 )
 
 
-def _check_batching(r: RolloutConfig, a: AlgoConfig) -> None:
+def _check_batching(rollout: RolloutConfig, algo: AlgoConfig) -> None:
     """Mini-batches split the G groups evenly; micro-batches split each mini-batch evenly."""
-    if r.prompts_per_step % a.mini_batches:
+    if rollout.prompts_per_step % algo.mini_batches:
         why = "mini_batches must divide prompts_per_step"
         raise conflict(
-            "rollout.prompts_per_step", r.prompts_per_step, "algo.mini_batches", a.mini_batches, why
+            "rollout.prompts_per_step", rollout.prompts_per_step, "algo.mini_batches", algo.mini_batches, why
         )
-    groups = r.prompts_per_step // a.mini_batches
-    if a.micro_batch_groups and groups % a.micro_batch_groups:
-        why = f"micro_batch_groups must divide the {groups} groups of each mini-batch (algo.mini_batches={a.mini_batches})"
+    groups = rollout.prompts_per_step // algo.mini_batches
+    if algo.micro_batch_groups and groups % algo.micro_batch_groups:
+        why = f"micro_batch_groups must divide the {groups} groups of each mini-batch (algo.mini_batches={algo.mini_batches})"
         raise conflict(
             "algo.micro_batch_groups",
-            a.micro_batch_groups,
+            algo.micro_batch_groups,
             "rollout.prompts_per_step",
-            r.prompts_per_step,
+            rollout.prompts_per_step,
             why,
         )
 
 
-def _check_rewards(w: RewardConfig) -> None:
+def _check_rewards(reward: RewardConfig) -> None:
     """The reward fields' syntax; that the named functions exist and that T-GRPO compares an accuracy is
     checked with the run (``algo.rewards.check_reward_config``)."""
-    if not w.functions:
+    if not reward.functions:
         raise ConfigError("reward.functions must name at least one reward function")
-    if len(set(w.functions)) != len(w.functions):
-        raise ConfigError(f"reward.functions={w.functions!r} names a function twice")
-    if w.weights and len(w.weights) != len(w.functions):
+    if len(set(reward.functions)) != len(reward.functions):
+        raise ConfigError(f"reward.functions={reward.functions!r} names a function twice")
+    if reward.weights and len(reward.weights) != len(reward.functions):
         raise conflict(
-            "reward.weights", w.weights, "reward.functions", w.functions, "need one weight per function"
+            "reward.weights",
+            reward.weights,
+            "reward.functions",
+            reward.functions,
+            "need one weight per function",
         )
-    if w.temporal_reward and w.temporal_reward not in w.functions:
+    if reward.temporal_reward and reward.temporal_reward not in reward.functions:
         why = "T-GRPO compares a reward the run computes: name one of reward.functions"
-        raise conflict("reward.temporal_reward", w.temporal_reward, "reward.functions", w.functions, why)
+        raise conflict(
+            "reward.temporal_reward", reward.temporal_reward, "reward.functions", reward.functions, why
+        )
 
 
 def _check_conflicts(cfg: Config) -> None:

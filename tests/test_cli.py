@@ -63,7 +63,7 @@ def test_train_with_config_file_and_overrides(tmp_path, paths, trained, monkeypa
     model, train = paths
     config = tmp_path / "run.yaml"
     config.write_text(f"model:\n  path: {model}\ndata:\n  train_path: {train}\nrollout:\n  group_size: 4\n")
-    _fake_module(monkeypatch, "rollplex.defaults", default_run_config=lambda: pytest.fail("default used"))
+    _fake_module(monkeypatch, "rollplex.default_job", default_run_config=lambda: pytest.fail("default used"))
     assert main(["train", str(config), "rollout.top_k=3", "--resume"]) == 0
     ((cfg, resume),) = trained
     assert isinstance(cfg, Config) and resume is True
@@ -79,7 +79,7 @@ def test_train_without_config_uses_the_embedded_default(paths, trained, monkeypa
         prepared.append(prepare)
         return base
 
-    _fake_module(monkeypatch, "rollplex.defaults", default_run_config=default_run_config)
+    _fake_module(monkeypatch, "rollplex.default_job", default_run_config=default_run_config)
     assert main(["train", "run.seed=4"]) == 0
     ((cfg, resume),) = trained
     assert (cfg.run.steps, cfg.run.seed, resume) == (7, 4, False)
@@ -95,7 +95,7 @@ def test_a_bad_override_of_the_default_job_fails_before_its_cache_is_prepared(tr
         prepared.append(prepare)
         return {"model": {"path": "cache/model"}, "data": {"train_path": "cache/data/train.json"}}
 
-    _fake_module(monkeypatch, "rollplex.defaults", default_run_config=default_run_config)
+    _fake_module(monkeypatch, "rollplex.default_job", default_run_config=default_run_config)
     assert main(["train", "rollout.graph_window=-1"]) == 2
     assert capsys.readouterr().err == "rollplex: error: rollout.graph_window=-1 must be >= 0\n"
     assert prepared == [False] and trained == []
@@ -424,7 +424,7 @@ def test_a_bad_compile_scope_is_a_usage_error(capsys):
 def test_the_default_jobs_preparation_is_announced_once(tmp_path, capsys):
     """The first ``rollplex train`` without a config builds the cache: one line says what and where;
     a prepared cache is used silently."""
-    from rollplex.defaults import _build_once
+    from rollplex.default_job import _build_once
 
     target = tmp_path / "data"
     _build_once(target, lambda out: out.mkdir())

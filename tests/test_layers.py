@@ -40,7 +40,7 @@ LAYERS = (
 LEAF_HELPERS = ("__init__", "hooks", "determinism", "files", "optim")
 # modules the order does not name, and the layer each sits in: the embedded default job builds its
 # model and data (models, data) and only the command line reads it; ``python -m rollplex`` is the cli
-PLACED = {"defaults": 6, "__main__": 7}
+PLACED = {"default_job": 6, "__main__": 7}
 OBSERVE = "observe"
 # pairs the order allows but the design does not: bench shares no code with the training loop (what
 # both need sits lower), and the schedules reach the model only through the phases (one forward API)

@@ -48,8 +48,8 @@ from rollplex.models.forward import (
     prefix_forward,
     prepare_model,
     prompt_embeddings,
+    suffix_logprobs,
 )
-from rollplex.models.forward import suffix_logprobs as suffix_lp
 from rollplex.types import Prompt
 
 
@@ -98,14 +98,17 @@ def naive_logprobs(model, prompt: Prompt, responses: torch.Tensor, banned: torch
     return _token_logprobs_chunked(model, hidden[:, p - 1 : -1], responses, 1.0, banned)
 
 
-def _rollplex_pass(
+def _shared_prefix_pass(
     model, prompts, responses, n, banned, attached: bool, attention: SuffixAttention
 ) -> torch.Tensor:
+    """Log-probs [G·N, R] of the groups' responses scored the rollplex way: one prefix per group, shared
+    by the suffixes of its N responses; ``attached``: each group's backward from the mean of its
+    log-probs, into the prefix and the vision tower."""
     outs = []
     for g, prompt in enumerate(prompts):
         prefix = prefix_forward(model, [prompt], temperature=1.0, banned_ids=banned, attached=attached)
         rows = responses[g * n : (g + 1) * n]
-        lp, _ = suffix_lp(
+        lp, _ = suffix_logprobs(
             model, prefix, rows, group_size=n, temperature=1.0, banned_ids=banned, attention=attention
         )
         if attached:
@@ -199,8 +202,8 @@ def _compare_roles(model, prompts, responses, cfg, banned, device, result: Prefi
             first_seq = (model, prompts[:1], responses[:1], n, banned, attached)
             ours = _measure(
                 f"{role} rollplex, one group per micro-batch",
-                partial(_rollplex_pass, *every, attention=_attention(cfg)),
-                partial(_rollplex_pass, *one, attention=_attention(cfg)),
+                partial(_shared_prefix_pass, *every, attention=_attention(cfg)),
+                partial(_shared_prefix_pass, *one, attention=_attention(cfg)),
                 cfg.repeats,
                 device,
             )
@@ -245,7 +248,7 @@ def _suffix_memory(model, prompt, cfg, banned, device) -> dict:
     for n in cfg.suffix_group_sizes:
         generator = torch.Generator().manual_seed(n)
         ids = torch.randint(*text_id_range(model), (n, cfg.response_tokens), generator=generator)
-        run = partial(_rollplex_pass, model, [prompt], ids.to(device), n, banned, True, _attention(cfg))
+        run = partial(_shared_prefix_pass, model, [prompt], ids.to(device), n, banned, True, _attention(cfg))
         run()  # warm-up
         peak, _ = peak_gib(run, device)
         rows[str(n)] = {

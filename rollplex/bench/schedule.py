@@ -7,7 +7,7 @@ Warm-up iterations (allocator growth, graph capture, compilation, the rollplex s
 steps, and auto's policy trials) are discarded; the table gives the median step time and its spread, the speedup over the row's baseline
 (``BASELINES``: serial, or serial-whole-batch for the whole-batch rows; the JSON's ``*_vs_serial`` keys
 mean that row, named in ``baseline``), the Phase-1 makespan, the paper's Eq. 1 terms as every step
-records them (schedule.eq1: T_D standalone decode, T_P prefix makespan, ΔD decode slowdown from
+records them (schedule.critical_path: T_D standalone decode, T_P prefix makespan, ΔD decode slowdown from
 co-running, S measured saving, bound min(T_D, T_P), T_post), the gradient norm (``grad_norm``: the
 median step's largest norm before clipping; inf where an update was skipped), decode seconds per step
 and its ratio to the memory roofline (bench.decode), peak memory, the memory still allocated after each
@@ -55,7 +55,7 @@ from rollplex.optim import MasterWeightAdamW
 from rollplex.phases import Roles
 from rollplex.rollout.engine import SamplingParams
 from rollplex.schedule import make_step
-from rollplex.schedule.rollplex import CALIBRATION_STEPS, RollplexSchedule
+from rollplex.schedule.prefix_overlap import CALIBRATION_STEPS, PrefixOverlapSchedule
 
 
 @dataclass(frozen=True)
@@ -180,7 +180,7 @@ def _warmup(step, cfg: ScheduleBenchConfig) -> int:
     are instead of the row's own: calibration steps (prefixes after decode), or auto's trials."""
     trials = len(getattr(step, "trials", []))
     early = min(CALIBRATION_STEPS - cfg.warmup, cfg.steps)
-    if isinstance(step, RollplexSchedule) and early > 0 and (step.auto or step.policy.overlap):
+    if isinstance(step, PrefixOverlapSchedule) and early > 0 and (step.auto or step.policy.overlap):
         what = "are auto's trials" if step.auto else "calibrate (prefixes after decode)"
         print(
             f"    the first {early} timed step(s) {what}: --warmup {CALIBRATION_STEPS} leaves them out",

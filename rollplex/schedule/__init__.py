@@ -1,4 +1,5 @@
-"""Phase schedules of one GRPO iteration: serial (the paper's Colocate baseline) and Rollplex."""
+"""Phase schedules of one GRPO iteration: serial (the paper's Colocate baseline) and prefix-overlap (the
+paper's Rollplex schedule; ``schedule.kind`` rollplex or auto)."""
 
 from __future__ import annotations
 
@@ -14,10 +15,10 @@ from rollplex.types import RolloutBatch, ShuffledAccuracy
 def make_step(cfg: Config, device: torch.device) -> Callable:
     """The step function of ``cfg.schedule.kind``: ``step(roles, prompts, timer)`` returns (scored batch,
     actor statistics, gradient norms, schedule metrics)."""
-    from rollplex.schedule.rollplex import RollplexSchedule
+    from rollplex.schedule.prefix_overlap import PrefixOverlapSchedule
     from rollplex.schedule.serial import serial_step
 
-    return serial_step if cfg.schedule.kind == "serial" else RollplexSchedule(cfg, device)
+    return serial_step if cfg.schedule.kind == "serial" else PrefixOverlapSchedule(cfg, device)
 
 
 def shuffled_rollout(roles: Roles, rollout: RolloutBatch, timer) -> ShuffledAccuracy | None:

@@ -18,7 +18,7 @@ from rollplex.config import ConfigError
 from rollplex.models import recompute
 from rollplex.models.attention import SuffixAttention
 from rollplex.models.compiled import compiled_scope
-from rollplex.schedule.rollplex import CALIBRATION_STEPS
+from rollplex.schedule.prefix_overlap import CALIBRATION_STEPS
 
 
 def _tiny(**changes) -> ScheduleBenchConfig:

@@ -12,10 +12,9 @@ import pytest
 import torch
 
 from rollplex.loop import train
-from rollplex.schedule import concurrency
-from rollplex.schedule import rollplex as rollplex_schedule
+from rollplex.schedule import concurrency, prefix_overlap
 from rollplex.schedule.concurrency import SideWork, cross_stream_backward, green_stream
-from rollplex.schedule.rollplex import CALIBRATION_STEPS, CoRunPolicy
+from rollplex.schedule.prefix_overlap import CALIBRATION_STEPS, CoRunPolicy
 from tests.schedule.test_same_update import SCHEDULES, green_capable, step_rows
 from tests.test_loop import _config, assets  # noqa: F401  (fixture)
 
@@ -75,7 +74,7 @@ def test_the_schedule_hands_the_sm_limit_to_its_worker(assets, tmp_path, monkeyp
             barriers.append(len(asked))
             super().chunk_barrier()
 
-    monkeypatch.setattr(rollplex_schedule, "SideWork", Recording)
+    monkeypatch.setattr(prefix_overlap, "SideWork", Recording)
     run = train(_config(assets, tmp_path / "run", 3, **{"run.device": "cpu", **SCHEDULES["green"]}))
     assert asked == [16]  # the first two steps calibrate, running their prefixes after decode
     assert barriers == [1, 1]  # one barrier per chunk of one group: the worker can leave the green stream

@@ -16,7 +16,7 @@ from rollplex.models import recompute
 from rollplex.models.compiled import layers_compiled
 from rollplex.observe.metrics import PhaseTimer
 from rollplex.schedule import make_step
-from rollplex.schedule.rollplex import CALIBRATION_STEPS
+from rollplex.schedule.prefix_overlap import CALIBRATION_STEPS
 from tests.test_loop import _config, _metrics, _weights, assets  # noqa: F401  (fixture)
 
 SCHEDULES = {
@@ -298,7 +298,7 @@ def first_overlapped_step_events(cfg) -> list[tuple[str, str, int]]:
 def test_the_actor_backward_runs_with_the_stream_warning_off(assets, tmp_path, monkeypatch):  # noqa: F811
     """The overlapped schedule's actor backward runs inside ``cross_stream_backward`` (the warning off),
     and the setting is back on after the step."""
-    import rollplex.schedule.rollplex as schedule
+    import rollplex.schedule.prefix_overlap as schedule
 
     seen, real = [], schedule.actor_backward
     warns = torch._C._warn_on_accumulate_grad_stream_mismatch

@@ -15,7 +15,7 @@ from rollplex.algo.rewards import Score
 from rollplex.loop import build_run, temporal_metrics, train
 from rollplex.observe.metrics import PhaseTimer
 from rollplex.schedule import make_step
-from rollplex.schedule.rollplex import CALIBRATION_STEPS
+from rollplex.schedule.prefix_overlap import CALIBRATION_STEPS
 from tests.schedule.test_same_update import (
     SCHEDULES,
     _check_barriers,

@@ -9,8 +9,13 @@ import pytest
 import torch
 
 from rollplex.loop import train
-from rollplex.schedule.eq1 import KEYS, Standalone, alone_seconds_per_step, phase1_terms
-from rollplex.schedule.rollplex import CALIBRATION_STEPS, CoRunPolicy, RollplexSchedule, auto_candidates
+from rollplex.schedule.critical_path import KEYS, Standalone, alone_seconds_per_step, phase1_terms
+from rollplex.schedule.prefix_overlap import (
+    CALIBRATION_STEPS,
+    CoRunPolicy,
+    PrefixOverlapSchedule,
+    auto_candidates,
+)
 from rollplex.types import DecodeTimeline
 from tests.test_loop import _config, _metrics, _weights, assets  # noqa: F401  (fixture)
 
@@ -68,7 +73,7 @@ def test_sequential_step_measures_the_standalone_figures():
 
 def test_auto_tries_each_policy_twice_then_keeps_the_fastest_median(assets, tmp_path):  # noqa: F811
     cfg = _config(assets, tmp_path, 1, **{"schedule.kind": "auto"})
-    schedule = RollplexSchedule(cfg, torch.device("cpu"))
+    schedule = PrefixOverlapSchedule(cfg, torch.device("cpu"))
     candidates = auto_candidates(torch.device("cpu"))
     assert candidates[0] == CoRunPolicy(overlap=False) and schedule.trials == candidates * 2
     spans = {c: [3.0 - i * 0.5, 3.0 - i * 0.5] for i, c in enumerate(candidates)}  # the last is fastest...
@@ -91,7 +96,7 @@ def test_auto_keeps_the_simplest_policy_within_the_tolerance_of_the_shortest_spa
     spans of two runs on one H200 (call 4 keeps overlap with priority, 0.1% behind chunked; call 3 the
     carve-out, 2% ahead of the next); a sequential span within the tolerance keeps the prefixes after
     decode."""
-    from rollplex.schedule.rollplex import AUTO_TOLERANCE, choose_policy
+    from rollplex.schedule.prefix_overlap import AUTO_TOLERANCE, choose_policy
 
     sequential, priority, chunked, carveout = (
         CoRunPolicy(overlap=False),
@@ -116,7 +121,7 @@ def test_auto_keeps_the_simplest_policy_within_the_tolerance_of_the_shortest_spa
 def test_auto_keeps_the_policy_choose_policy_picks_after_its_last_trial(assets, tmp_path):  # noqa: F811
     """The trials' medians go through ``choose_policy``: the chunked candidate 0.1% ahead of overlap
     with priority does not displace it."""
-    schedule = RollplexSchedule(
+    schedule = PrefixOverlapSchedule(
         _config(assets, tmp_path, 1, **{"schedule.kind": "auto"}), torch.device("cpu")
     )
     spans = dict(zip(auto_candidates(torch.device("cpu")), (2.369, 2.302, 2.300)))
@@ -135,7 +140,7 @@ def test_a_resumed_auto_run_chooses_in_trial_order_whatever_order_its_spans_were
     import io
 
     cfg = _config(assets, tmp_path, 1, **{"schedule.kind": "auto"})
-    first = RollplexSchedule(cfg, torch.device("cpu"))
+    first = PrefixOverlapSchedule(cfg, torch.device("cpu"))
     spans = dict(zip(auto_candidates(torch.device("cpu")), (2.369, 2.302, 2.300)))
     half = len(first.trials) // 2
     for policy in first.trials[:half]:
@@ -145,7 +150,7 @@ def test_a_resumed_auto_run_chooses_in_trial_order_whatever_order_its_spans_were
     buffer = io.BytesIO()
     torch.save(state, buffer)
     buffer.seek(0)
-    resumed = RollplexSchedule(cfg, torch.device("cpu"))
+    resumed = PrefixOverlapSchedule(cfg, torch.device("cpu"))
     resumed.load_state_dict(torch.load(buffer, weights_only=False))
     for policy in resumed.trials[half:]:
         resumed._learn(policy, spans[policy])
@@ -155,16 +160,18 @@ def test_a_resumed_auto_run_chooses_in_trial_order_whatever_order_its_spans_were
 def test_a_resumed_rollplex_run_takes_its_policy_from_its_config_and_auto_its_choice(assets, tmp_path):  # noqa: F811
     """A rollplex run resumed with another co-running setting uses it (it is the user's to change);
     auto resumes with the policy it chose, not a configured one."""
-    saved = RollplexSchedule(
+    saved = PrefixOverlapSchedule(
         _config(assets, tmp_path, 1, **{"schedule.kind": "rollplex", "schedule.prefix_chunk_groups": 1}),
         torch.device("cpu"),
     ).state_dict()
-    resumed = RollplexSchedule(
+    resumed = PrefixOverlapSchedule(
         _config(assets, tmp_path, 1, **{"schedule.kind": "rollplex"}), torch.device("cpu")
     )
     resumed.load_state_dict(saved)
     assert resumed.policy == CoRunPolicy() and saved["policy"]["chunk_groups"] == 1
-    auto = RollplexSchedule(_config(assets, tmp_path, 1, **{"schedule.kind": "auto"}), torch.device("cpu"))
+    auto = PrefixOverlapSchedule(
+        _config(assets, tmp_path, 1, **{"schedule.kind": "auto"}), torch.device("cpu")
+    )
     chosen = auto.state_dict() | {"policy": asdict(CoRunPolicy(chunk_groups=1))}
     auto.load_state_dict(chosen)
     assert auto.policy == CoRunPolicy(chunk_groups=1)
@@ -175,7 +182,9 @@ def test_a_run_cannot_switch_between_auto_and_rollplex_on_resume(assets, tmp_pat
     the other, naming both, before anything of the state is taken."""
 
     def make(name):
-        return RollplexSchedule(_config(assets, tmp_path, 1, **{"schedule.kind": name}), torch.device("cpu"))
+        return PrefixOverlapSchedule(
+            _config(assets, tmp_path, 1, **{"schedule.kind": name}), torch.device("cpu")
+        )
 
     for saved, resumed in (("auto", "rollplex"), ("rollplex", "auto")):
         state, schedule = make(saved).state_dict() | {"calibrated": True, "trials_done": 3}, make(resumed)
@@ -200,17 +209,17 @@ def test_a_checkpoint_of_the_run_schedule_setting_resumes(assets, tmp_path):  # 
         "timings": [],
         "alone": asdict(Standalone(0.25, 0.5)),
     }
-    resumed = RollplexSchedule(_config(assets, tmp_path, 1, **{"schedule.kind": "rollplex"}), cpu)
+    resumed = PrefixOverlapSchedule(_config(assets, tmp_path, 1, **{"schedule.kind": "rollplex"}), cpu)
     resumed.load_state_dict(saved)
     assert resumed.calibrated and resumed.alone == Standalone(0.25, 0.5)
-    auto = RollplexSchedule(_config(assets, tmp_path, 1, **{"schedule.kind": "auto"}), cpu)
+    auto = PrefixOverlapSchedule(_config(assets, tmp_path, 1, **{"schedule.kind": "auto"}), cpu)
     with pytest.raises(ValueError, match="schedule.kind=auto, but the checkpoint's run used rollplex"):
         auto.load_state_dict(saved)
 
 
 def test_auto_trials_sets_the_trials_per_policy(assets, tmp_path):  # noqa: F811
     cfg = _config(assets, tmp_path, 1, **{"schedule.kind": "auto", "schedule.auto_trials": 1})
-    schedule = RollplexSchedule(cfg, torch.device("cpu"))
+    schedule = PrefixOverlapSchedule(cfg, torch.device("cpu"))
     assert schedule.trials == auto_candidates(torch.device("cpu"))
 
 
@@ -267,12 +276,12 @@ def test_a_resumed_auto_run_counts_no_trial_in_its_first_step(assets, tmp_path):
     count it as a trial (it also compiles); a state saved before trial counts were kept continues as
     the trials its spans hold, and calibrates again (its figures came from the step that compiled)."""
     cfg = _config(assets, tmp_path, 1, **{"schedule.kind": "auto", "schedule.auto_trials": 1})
-    saved = RollplexSchedule(cfg, torch.device("cpu"))
+    saved = PrefixOverlapSchedule(cfg, torch.device("cpu"))
     candidates = auto_candidates(torch.device("cpu"))
     for _ in range(CALIBRATION_STEPS + 1):  # calibration, then the first trial
         policy, trial = saved._next_policy(), saved._trial_due()
         saved._finish_step(policy, trial, Standalone(0.01, 0.5), policy.overlap, 1.0)
-    resumed = RollplexSchedule(cfg, torch.device("cpu"))
+    resumed = PrefixOverlapSchedule(cfg, torch.device("cpu"))
     resumed.load_state_dict(saved.state_dict())
     assert resumed.calibrated and resumed.trials_done == 1
     first = resumed._next_policy()
@@ -282,7 +291,7 @@ def test_a_resumed_auto_run_counts_no_trial_in_its_first_step(assets, tmp_path):
     assert resumed._trial_due() and resumed._next_policy() == candidates[1]
     # states of the earlier formats after 3 steps: calibration at step 0 and trials 0 and 1 at steps 1
     # and 2, or calibration at steps 0 and 1 and trial 0 at step 2; the trials done are the spans held
-    legacy = RollplexSchedule(cfg, torch.device("cpu"))
+    legacy = PrefixOverlapSchedule(cfg, torch.device("cpu"))
     trials = legacy.trials
     old = {
         "schedule": "auto",

@@ -1,4 +1,5 @@
-"""The Rollplex schedule (paper §2.3, §3.1): prompt-side work inside the decode window, suffixes after.
+"""The prefix-overlap schedule (``schedule.kind`` rollplex or auto; the paper's Rollplex schedule, §2.3,
+§3.1): prompt-side work inside the decode window, suffixes after.
 
     Phase 1  rollout decode of N responses per group (critical path, main thread, high-priority
              stream), from its own rollout prefix — or, with prefill fusion (docs/architecture.md), from the
@@ -20,7 +21,7 @@ parameters after any number of steps are bitwise equal to ``serial``'s (tests/sc
 policy (overlap or not, decode priority, prefix chunks, SM carve-out, SM partitioning) changes timing
 only. Steps
 run their prefixes after decode, to measure decode and prefixes alone (Eq. 1's T_D and T_P), until a
-step that is not the first of its process has done so (``RollplexSchedule``: a new run's first two
+step that is not the first of its process has done so (``PrefixOverlapSchedule``: a new run's first two
 steps); ``auto`` then tries each policy ``schedule.auto_trials`` times (default 2), round robin, and keeps
 the first, in trial order, whose median decode/prefix span is within ``AUTO_TOLERANCE`` of the
 shortest (``choose_policy``).
@@ -61,12 +62,12 @@ from rollplex.schedule.concurrency import (
     on_stream,
     stream_sync,
 )
-from rollplex.schedule.eq1 import Standalone, phase1_terms
+from rollplex.schedule.critical_path import Standalone, phase1_terms
 from rollplex.types import PrefixState, Prompt, RolloutBatch, ScoredBatch
 
 log = logging.getLogger(__name__)
 
-# Steps a new run spends on calibration (``RollplexSchedule``): its first step, which also compiles, and
+# Steps a new run spends on calibration (``PrefixOverlapSchedule``): its first step, which also compiles, and
 # the next, whose standalone figures stand.
 CALIBRATION_STEPS = 2
 
@@ -246,8 +247,8 @@ def phase1(roles: Roles, prompts: list[Prompt], timer, policy: CoRunPolicy) -> P
     return Phase1(rollout, reference, actor, timer.now() - start, span, policy.overlap, sms)
 
 
-class RollplexSchedule:
-    """The Rollplex step (``schedule.kind`` rollplex or auto) with what it learns across steps: the
+class PrefixOverlapSchedule:
+    """The prefix-overlap step (``schedule.kind`` rollplex or auto) with what it learns across steps: the
     standalone decode and side-work times behind Eq. 1's T_D and T_P, and for ``auto`` the policy
     trials and the choice.
 
@@ -290,7 +291,7 @@ class RollplexSchedule:
         return self.policy
 
     def _keep_standalone(self, alone: Standalone, overlapped: bool) -> None:
-        """Take a step's standalone figures (``eq1.phase1_terms``) unless they come from the first step
+        """Take a step's standalone figures (``critical_path.phase1_terms``) unless they come from the first step
         of this process and figures are already known: that step also compiled."""
         if overlapped:
             return

@@ -4,7 +4,7 @@
 
 T_D     standalone decode time: the decode rate of the latest step whose prefixes ran after decode
         and that was not the first of its process (until there is one, the run's first step;
-        schedule.rollplex.RollplexSchedule: a new run's second step) × this step's decode steps
+        schedule.prefix_overlap.PrefixOverlapSchedule: a new run's second step) × this step's decode steps
 T_P     standalone time of the Phase-1 side work (reference prefix, and the actor prefixes unless
         prefill fusion computed them before decode), from that same step
 T_P_corun  the side work's span while co-running with decode
