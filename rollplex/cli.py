@@ -60,8 +60,8 @@ def _train(args: argparse.Namespace) -> None:
     if config is None:
         from rollplex.default_job import default_run_config
 
-        # the overrides checked against the default job first: a bad one fails in a fraction of a
-        # second, before the cache's check imports torch and the rest (about 4 s)
+        # the overrides checked against the default job first: a bad one fails before the cache's
+        # check imports torch and the rest
         load_config(None, overrides, default_run_config(prepare=False))
         base = default_run_config()
     cfg = load_config(config, overrides, base)

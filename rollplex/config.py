@@ -11,7 +11,8 @@ YAML scalars or lists). Unknown keys, wrong types, out-of-range values and confl
 ``ConfigError`` naming the field path (and both values for a conflict).
 
 Sources of the defaults: Video-R1 training scripts and its vendored qwen-vl-utils constants
-(formats.md §1.5–1.6, §2.1); clip_high 0.28 is the DAPO "clip-higher" value.
+(docs/video-r1-format.md, "Training settings" and "Video sampling"); clip_high 0.28 is the DAPO "clip-higher"
+value.
 
 Example:
     cfg = load_config("run.yaml", ["rollout.group_size=4", "optim.lr=2e-6"])
@@ -163,7 +164,8 @@ class ModelConfig:
     vision_mlp_padding: bool = _field(
         True,
         "run the vision MLP on weights zero-padded to a 16-byte-aligned width (3420 -> 3424 in bf16), so "
-        "cuBLAS uses its Hopper kernels; same values up to the products' rounding, same parameters",
+        "cuBLAS takes its kernels for aligned shapes; same values up to the products' rounding, same "
+        "parameters",
     )
     compile_layers: bool = _field(
         True,
@@ -197,7 +199,8 @@ class ModelConfig:
 
 @dataclass(kw_only=True)
 class DataConfig:
-    """Video-R1 records and the media sampling of qwen-vl-utils (formats.md §1.6, §2)."""
+    """Video-R1 records and the media sampling of qwen-vl-utils (docs/video-r1-format.md,
+    "Video sampling")."""
 
     train_path: str = _field("", "Video-R1 JSON/JSONL training records (required)")
     val_path: str = _field("", "held-out Video-R1 JSON/JSONL records; '' = none")
@@ -235,8 +238,8 @@ class RolloutConfig:
         "default",
         "torch.compile mode of the decode step: default (cuBLAS products) or max-autotune (inductor "
         "benchmarks its Triton templates against cuBLAS for each product, once per process and shape "
-        "unless its disk cache has them, and fuses what it can into them; a slower first rollout; "
-        "measured slower per step on one H200, docs/benchmarks.md)",
+        "unless its disk cache has them, and fuses what it can into them; a slower first rollout; its "
+        "steps against default's: benchmarks/README.md)",
         choices=COMPILE_MODES,
     )
     graph_window: int = _field(
@@ -255,7 +258,7 @@ class RolloutConfig:
     fused_projections: bool = _field(
         True,
         "decode: one q/k/v and one gate/up matrix product per layer, from copies of those weights "
-        "concatenated when decode starts (their memory again during rollout: 3.6 GB for the 3B model)",
+        "concatenated when decode starts (a second copy of those weights in memory during rollout)",
     )
     fused_sampling: bool = _field(
         True,

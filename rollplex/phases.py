@@ -143,11 +143,11 @@ def uses_temporal(roles: Roles) -> bool:
 
 
 def temporal_phase(roles: Roles, rollout: RolloutBatch) -> ShuffledAccuracy:
-    """T-GRPO's shuffled-frame rollout (Video-R1, Feng et al. 2025; formats.md §1.4): M responses under θ_k
-    (``reward.temporal_samples``) for each group whose prompt has a shuffled twin (``Prompt.shuffled``),
-    scored with the compared reward (``reward.temporal_reward``, else the run's first built-in accuracy
-    reward: ``temporal_reward_name``). Runs after the ordered rollout, so every schedule draws from the
-    sampling generator in the same order."""
+    """T-GRPO's shuffled-frame rollout (Video-R1, Feng et al. 2025; docs/video-r1-format.md, "Rewards"): M
+    responses under θ_k (``reward.temporal_samples``) for each group whose prompt has a shuffled twin
+    (``Prompt.shuffled``), scored with the compared reward (``reward.temporal_reward``, else the run's first
+    built-in accuracy reward: ``temporal_reward_name``). Runs after the ordered rollout, so every schedule
+    draws from the sampling generator in the same order."""
     cfg = roles.config
     m = temporal_samples(cfg.reward, rollout.group_size)
     name = temporal_reward_name(cfg.reward.functions, cfg.reward.temporal_reward)  # the config checks it

@@ -24,7 +24,7 @@ VISION_KINDS = ("video", "image", "none")
 
 @dataclass(frozen=True)
 class Record:
-    """One validated Video-R1 record (formats.md §1.2).
+    """One validated Video-R1 record (docs/video-r1-format.md, "Record schema").
 
     Example:
         Record(problem_id=7, problem="What colour is the cube?", data_type="video",
@@ -49,7 +49,8 @@ class VisualInput:
     ``frames``: uint8 [T, 3, H, W] already resized to multiples of 28 (video; T even) or
     uint8 [1, 3, H, W] (image); ``None`` for text-only prompts. ``sample_fps`` is the rate of the
     frames actually sampled (frames per second of source time); it defines
-    ``second_per_grid_ts = temporal_patch_size / sample_fps`` (formats.md §2.2, field case B04).
+    ``second_per_grid_ts = temporal_patch_size / sample_fps`` (docs/video-r1-format.md, "Video sampling";
+    field case B04).
 
     Example:
         VisualInput(kind="video", frames=torch.zeros(8, 3, 56, 56, dtype=torch.uint8), sample_fps=2.0)

@@ -2,8 +2,8 @@
 
 Source: DeepSeekMath (Shao et al. 2024) §4.1.2, outcome supervision: every response of a group gets
 the advantage A_i = (r_i - mean(r)) / std(r) of its scalar reward, broadcast to all its tokens.
-Video-R1 (formats.md §1.4) uses A = (r - mean) / (std + 1e-4) with torch's unbiased std, like TRL;
-Dr. GRPO (Liu et al. 2025, "Understanding R1-Zero-Like Training") drops the division.
+Video-R1 (docs/video-r1-format.md, "Rewards") uses A = (r - mean) / (std + 1e-4) with torch's unbiased std,
+like TRL; Dr. GRPO (Liu et al. 2025, "Understanding R1-Zero-Like Training") drops the division.
 
 Shapes: G groups, N = group_size responses per group, B = G·N rows; row b is in group b // N.
 """

@@ -6,7 +6,7 @@ With r = pi_ref(x) / pi_theta(x) and x ~ pi_theta:
     k1 = -log r = logp - ref_logp                      unbiased, high variance, can be negative
     k3 = (r - 1) - log r = exp(d) - d - 1, d = ref_logp - logp     unbiased, always >= 0
 
-k3 is what GRPO (DeepSeekMath §4.1, Eq. 4) and Video-R1 (formats.md §1.4, β = 0.04) use.
+k3 is what GRPO (DeepSeekMath §4.1, Eq. 4) and Video-R1 (β = 0.04; docs/video-r1-format.md, "Rewards") use.
 
 Overflow (field case B10): exp(d) overflows float32 just above d = 88.7. Clamping the *result* does
 not help the backward pass (0 · inf = NaN), so the log-ratio d is clamped to ±``log_ratio_bound``

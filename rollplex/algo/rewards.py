@@ -1,4 +1,5 @@
-"""Rule-based rewards of Video-R1 (formats.md §1.4) with the corrected parsing of field case B13.
+"""Rule-based rewards of Video-R1 (docs/video-r1-format.md, "Rewards") with the corrected parsing of field
+case B13.
 
 A reward function has the signature ``fn(completion: str, record: Record) -> float``; ``completion``
 is the decoded response with special tokens skipped. Built-ins:
@@ -96,7 +97,7 @@ def parse_number(text: str) -> float | None:
 def word_error_rate(reference: str, hypothesis: str) -> float:
     """Word-level Levenshtein distance (whitespace split, case-sensitive) / max(1, #reference words).
 
-    Source: Video-R1 grpo.py ``wer`` (formats.md §1.4). Example: "a b c" vs "a x c" -> 1/3.
+    Source: Video-R1 grpo.py ``wer`` (docs/video-r1-format.md, "Rewards"). Example: "a b c" vs "a x c" -> 1/3.
     """
     ref, hyp = reference.split(), hypothesis.split()
     prev = list(range(len(hyp) + 1))
@@ -118,7 +119,7 @@ def _rouge_scorer():
 def rouge_mean(reference: str, hypothesis: str) -> float:
     """Mean of ROUGE-1, ROUGE-2 and ROUGE-L F-measures (``rouge_score``, Porter stemming), in [0, 1].
 
-    Source: Video-R1 grpo.py ``compute_rouge_score`` (formats.md §1.4).
+    Source: Video-R1 grpo.py ``compute_rouge_score`` (docs/video-r1-format.md, "Rewards").
     """
     scores = _rouge_scorer().score(reference, hypothesis)
     return sum(s.fmeasure for s in scores.values()) / len(scores)
@@ -197,7 +198,8 @@ def _scored(fn: Callable[[str, Record], float], completion: str, record: Record)
         value = float(fn(completion, record))
     except _FlaggedSample as flag:
         return Score(0.0, str(flag))
-    except Exception as exc:  # any failing reward scores 0.0 and is counted (formats.md §1.4)
+    # any failing reward scores 0.0 and is counted (docs/video-r1-format.md, "Rewards")
+    except Exception as exc:
         return Score(0.0, f"reward raised on problem_id={record.problem_id}: {exc!r}")
     # NaN, inf, or a value that becomes inf in float32 would reach every weight through the advantages
     if not abs(value) <= _FLOAT32_MAX:
@@ -261,8 +263,8 @@ def format_reward(completion: str, record: Record) -> float:
     """1.0 iff the whole completion is one think block, optional whitespace, one answer block; else 0.0.
 
     Definition: ``re.fullmatch(r"<think>.*?</think>\\s*<answer>.*?</answer>", DOTALL)`` (Video-R1
-    grpo.py, formats.md §1.4) AND each of the four tags occurs exactly once (B13). Nothing may precede
-    ``<think>`` or follow ``</answer>``; block contents may span lines.
+    grpo.py; docs/video-r1-format.md, "Rewards") AND each of the four tags occurs exactly once (B13). Nothing
+    may precede ``<think>`` or follow ``</answer>``; block contents may span lines.
 
     Example: "<think>\\nstep one\\n</think>\\n<answer>B</answer>" -> 1.0;
     "<think>x</think><answer>B</answer></answer>" -> 0.0; two think blocks -> 0.0.
@@ -273,7 +275,7 @@ def format_reward(completion: str, record: Record) -> float:
 def accuracy_reward(completion: str, record: Record) -> float:
     """Accuracy in [0, 1] of the single answer block against the gold ``<answer>`` of ``record.solution``.
 
-    Per ``record.problem_type`` (formats.md §1.4, corrected per B13):
+    Per ``record.problem_type`` (docs/video-r1-format.md, "Rewards"; corrected per B13):
         multiple choice  option letters equal, case-insensitive, after :func:`parse_option`
                          ("(B)", "b", "B) a dog" match gold "B"; "B or C" scores 0)
         numerical        :func:`parse_number` of both equal after rounding to 2 decimals ("6.0" == "6")
@@ -374,10 +376,11 @@ def compute_rewards(
     """Score B completions with every named reward function and sum them with weights.
 
     Definition: total[b] = sum_i weights[i] · f_i(completions[b], records[b]) (Video-R1 sums
-    ``["accuracy", "format"]`` with unit weights, formats.md §1.4). ``RewardResult.accuracy`` /
-    ``.format`` are the values of the first accuracy-type ("accuracy", "answer_accuracy") / format-type
-    ("format", "answer_format") function in ``names``, zeros if none is present. ``errors`` counts the
-    responses flagged by at least one function (each flagged sample is also logged).
+    ``["accuracy", "format"]`` with unit weights; docs/video-r1-format.md, "Rewards").
+    ``RewardResult.accuracy`` / ``.format`` are the values of the first accuracy-type ("accuracy",
+    "answer_accuracy") / format-type ("format", "answer_format") function in ``names``, zeros if none is
+    present. ``errors`` counts the responses flagged by at least one function (each flagged sample is also
+    logged).
 
     Args:
         completions: B decoded responses. records: B records, ``records[b]`` is the record of row b.
@@ -496,13 +499,13 @@ def temporal_bonus(
 ) -> torch.Tensor:
     """T-GRPO bonus of each ordered-frame response, decided per group (question), never per batch.
 
-    Definition (Video-R1 T-GRPO, Feng et al. 2025; formats.md §1.4; corrected per B14): for group g let
-    p_g = mean of its N ordered accuracies and p~_g = mean of its M shuffled-frame accuracies. If
-    p_g >= mu · p~_g, every ordered response of g with accuracy > ``min_accuracy`` gets ``alpha``;
-    otherwise the group gets nothing. Ties (p_g == mu · p~_g in float32) GRANT the bonus, as Video-R1's
-    ``>=``; a group with p = p~ = 0 has no response above the threshold, so it still gets 0. ``mu`` is
-    explicit: Video-R1 hard-codes 0.8, its maintainers say 1.0 is intended (B14). Shuffled responses
-    only set p~; they never receive a bonus or enter the loss.
+    Definition (Video-R1 T-GRPO, Feng et al. 2025; docs/video-r1-format.md, "Rewards"; corrected per B14): for
+    group g let p_g = mean of its N ordered accuracies and p~_g = mean of its M shuffled-frame accuracies. If
+    p_g >= mu · p~_g, every ordered response of g with accuracy > ``min_accuracy`` gets ``alpha``; otherwise
+    the group gets nothing. Ties (p_g == mu · p~_g in float32) GRANT the bonus, as Video-R1's ``>=``; a group
+    with p = p~ = 0 has no response above the threshold, so it still gets 0. ``mu`` is explicit: Video-R1
+    hard-codes 0.8, its maintainers say 1.0 is intended (B14). Shuffled responses only set p~; they never
+    receive a bonus or enter the loss.
 
     Example (B14, alpha 0.3, mu 1.0): ordered [[1,1,1,0],[0,0,0,0]], shuffled [[1,0,0,0],[1,1,0,0]]
         -> [[0.3, 0.3, 0.3, 0], [0, 0, 0, 0]]  (accuracy + bonus: [1.3, 1.3, 1.3, 0] and [0, 0, 0, 0]).
@@ -546,9 +549,10 @@ def add_temporal_bonus(
 ) -> RewardResult:
     """``rewards`` with T-GRPO's bonus (``temporal_bonus``) of the groups in ``shuffled``, kept as
     ``per_function["temporal"]`` (float32 [B], 0 outside those groups) and added to the total times
-    ``weight``, the compared reward's weight: Video-R1 adds the bonus to the accuracy reward (formats.md
-    §1.4). The ordered values compared are those of the reward ``shuffled`` was scored with
-    (``compared_values``). ``accuracy`` is left as it was, so it stays the plain accuracy of the responses.
+    ``weight``, the compared reward's weight: Video-R1 adds the bonus to the accuracy reward
+    (docs/video-r1-format.md, "Rewards"). The ordered values compared are those of the reward ``shuffled`` was
+    scored with (``compared_values``). ``accuracy`` is left as it was, so it stays the plain accuracy of the
+    responses.
 
     Args:
         rewards: rewards of B = G·N ordered-frame responses (row b in group b // N).

@@ -12,8 +12,8 @@ capture), both again with the fused Triton decode attention (``+triton``, rollou
 with fused q/k/v and gate/up products (``+fused``), the fused sampling race (``+sampling``,
 rollout.sample_kernel) and the gate/up product with its SiLU gate as one kernel (``+gate``,
 rollout.linear_kernel): the CUDA default, last of the default run; ``+autotune`` (on request only) is
-``+sampling`` under torch.compile's max-autotune mode (``rollout.compile_mode``, measured slower on one
-H200); ``+gate+window128`` and ``+gate+window512`` (on request only) are the default with its graphs'
+``+sampling`` under torch.compile's max-autotune mode (``rollout.compile_mode``);
+``+gate+window128`` and ``+gate+window512`` (on request only) are the default with its graphs'
 own-key window set (``rollout.graph_window``; the default, 0, is one 512-key chunk with the fused
 attention). Decode time comes from the rollout's own timeline, which starts after capture/compilation;
 each row's ``setup_s`` is the time before it (``RolloutBatch.setup_s``: building the step, warming it up

@@ -1,5 +1,5 @@
 """Fingerprints of an update: whether two runs left bitwise the same FP32 master weights and AdamW moments,
-without keeping a copy of either (the 3B model's masters and moments are 45 GB).
+without keeping a copy of either (masters and moments take 12 bytes per parameter).
 
 A fingerprint is a 64-bit sum, over the elements of a float32 tensor, of SplitMix64's finaliser (Steele,
 Lea and Flood, "Fast splittable pseudorandom number generators", OOPSLA 2014: a bijection of 64-bit

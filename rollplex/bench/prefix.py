@@ -243,7 +243,7 @@ def _suffix_memory(model, prompt, cfg, banned, device) -> dict:
     """Peak memory of one group's actor pass (attached prefix + N suffixes, forward + backward) for each
     N at a fixed prompt: the prefix part is the same for every N, so the growth between rows is the
     suffix's, which must scale with N·R (with the causal suffix attention, plus one copy of the boundary's
-    keys and values per response and layer: 1 KiB per prompt token and layer at the 3B shape)."""
+    keys and values per response and layer: 2·Hkv·D values per prompt token and layer)."""
     rows = {}
     for n in cfg.suffix_group_sizes:
         generator = torch.Generator().manual_seed(n)

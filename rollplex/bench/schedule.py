@@ -60,7 +60,7 @@ from rollplex.schedule.prefix_overlap import CALIBRATION_STEPS, PrefixOverlapSch
 
 @dataclass(frozen=True)
 class ScheduleBenchConfig(Workload):
-    """Workload of ``rollplex bench schedule`` (defaults: the 3B workload of docs/benchmarks.md)."""
+    """Workload of ``rollplex bench schedule`` (defaults: the 3B workload of benchmarks/README.md)."""
 
     warmup: int = CALIBRATION_STEPS  # a new rollplex run's calibration steps
     steps: int = 2
@@ -277,7 +277,7 @@ class Updates:
     with their baseline's as they finish, as ``update_rel_diff_vs_serial`` = ‖u − u_base‖₂ / ‖u_base‖₂
     over every parameter (0 for the same update; serial-again against serial gives one sample of
     serial's own run-to-run difference). A row is compared only when its baseline ran before it, with
-    as many steps. Kept updates sit in pinned host memory on CUDA (15 GB for the 3B model).
+    as many steps. Kept updates sit in pinned host memory on CUDA (4 bytes per parameter each).
 
     Args:
         initial: the initial weights by parameter name (any float dtype; the masters started from them).
@@ -441,9 +441,9 @@ def _checked_overrides(overrides: tuple[str, ...]) -> Config:
 
 
 def _free_previous_row(device: torch.device) -> None:
-    """Free what the previous row left: its roles (an optimizer's FP32 state is about 42 GiB at 3B) may
-    sit in reference cycles until Python's collector runs, which would leave the next row short of
-    memory (a fourth row once ran out of memory with about 44 GiB more allocated than it peaks at)."""
+    """Free what the previous row left: its roles (an optimizer's FP32 state is 12 bytes per parameter)
+    may sit in reference cycles until Python's collector runs, which would leave the next row short of
+    memory, enough to run it out of memory."""
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()

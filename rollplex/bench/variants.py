@@ -27,8 +27,8 @@ DECODE_VARIANTS = {
 }
 
 # the default run of ``rollplex bench decode``: every variant but the opt-in ones (max-autotune: its
-# compilation is slow, and measured slower; the set windows), so the last, the profiled one, is the CUDA
-# default
+# compilation is slow, and it is not the default; the set windows), so the last, the profiled one, is the
+# CUDA default
 DEFAULT_VARIANTS = tuple(
     name for name in DECODE_VARIANTS if not name.endswith(("+autotune", "+window128", "+window512"))
 )

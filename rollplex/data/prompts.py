@@ -1,4 +1,4 @@
-"""Prompt text of a Video-R1 record (formats.md §1.3).
+"""Prompt text of a Video-R1 record (docs/video-r1-format.md, "Prompt construction").
 
 Two templates:
 

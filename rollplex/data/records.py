@@ -1,4 +1,5 @@
-"""Video-R1 dataset records: reading a dataset file and validating each row (formats.md §1.1, §1.2).
+"""Video-R1 dataset records: reading a dataset file and validating each row (docs/video-r1-format.md,
+"Files and layout" and "Record schema").
 
 A dataset file is one JSON array of objects (``Video-R1-260k.json``) or JSON Lines (one object per
 line). Every row is checked against the record schema; a row that fails is skipped with a one-line
@@ -23,7 +24,8 @@ logger = logging.getLogger(__name__)
 
 DATA_TYPES = ("video", "image")
 PROBLEM_TYPES = ("multiple choice", "numerical", "OCR", "free-form", "regression")
-# Answer extraction regex of the Video-R1 reward (formats.md §1.4), applied to ``solution``.
+# Answer extraction regex of the Video-R1 reward (docs/video-r1-format.md, "Rewards"), applied to
+# ``solution``.
 ANSWER_PATTERN = re.compile(r"<answer>\s*(.*?)\s*</answer>", re.DOTALL)
 _TEXT_FIELDS = ("problem", "data_type", "problem_type", "solution", "path")
 
@@ -37,7 +39,8 @@ class RecordError(ValueError):
 
 
 def parse_record(row: object) -> Record:
-    """Validate one decoded JSON row and return it as a :class:`Record` (formats.md §1.2).
+    """Validate one decoded JSON row and return it as a :class:`Record` (docs/video-r1-format.md,
+    "Record schema").
 
     Rules: ``problem_id`` is an int (not a bool); ``problem``, ``data_type``, ``problem_type``,
     ``solution`` and ``path`` are non-empty strings; ``data_type`` is ``"video"`` or ``"image"``;
@@ -82,9 +85,9 @@ def load_records(path: Path | str) -> tuple[list[Record], int]:
     """Read a Video-R1 dataset file and return its valid records and the number skipped.
 
     The format is JSON Lines when the extension is ``.jsonl`` or the content does not start with
-    ``[``; otherwise one JSON array (formats.md §1.1: the reference loader accepts both). Records keep
-    file order. Each invalid row is logged (``logging.WARNING`` on this module's logger) as
-    ``"<path>: record <index> (problem_id=<id>) skipped: <reason>"`` and counted.
+    ``[``; otherwise one JSON array (the reference loader accepts both: docs/video-r1-format.md,
+    "Files and layout"). Records keep file order. Each invalid row is logged (``logging.WARNING`` on this
+    module's logger) as ``"<path>: record <index> (problem_id=<id>) skipped: <reason>"`` and counted.
 
     Returns:
         (records, skipped): the validated records and the count of skipped rows.
@@ -112,9 +115,9 @@ def load_records(path: Path | str) -> tuple[list[Record], int]:
 def media_path(record: Record, data_root: Path | str) -> Path:
     """Absolute-or-relative media path of ``record``: its ``path`` field resolved under ``data_root``.
 
-    Follows the reference trainer (formats.md §1.1): the leading ``.`` of ``"./Folder/..."`` is dropped
-    and the rest is joined to the data root, e.g. ``"./CLEVRER/v.mp4"`` under ``Video-R1-data`` gives
-    ``Video-R1-data/CLEVRER/v.mp4``.
+    Follows the reference trainer (docs/video-r1-format.md, "Files and layout"): the leading ``.`` of
+    ``"./Folder/..."`` is dropped and the rest is joined to the data root, e.g. ``"./CLEVRER/v.mp4"`` under
+    ``Video-R1-data`` gives ``Video-R1-data/CLEVRER/v.mp4``.
 
     Raises:
         ValueError: ``record.path`` does not start with ``"./"`` or contains ``..``.

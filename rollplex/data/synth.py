@@ -17,8 +17,8 @@ Question families and how their ground truth comes from the simulation:
 - ``collision`` (numerical): number of body-body contacts during the clip, counted once per contact
   when two discs overlap while approaching (wall bounces are not collisions).
 
-Records follow formats.md §1.2 with paths under the ``CLEVRER`` video folder, so the generated folder
-is the ``data_root`` of :func:`rollplex.data.records.media_path`.
+Records follow the Video-R1 schema (docs/video-r1-format.md, "Record schema") with paths under the ``CLEVRER``
+video folder, so the generated folder is the ``data_root`` of :func:`rollplex.data.records.media_path`.
 
 Example:
     summary = generate_dataset(Path("synth"), num=100, seed=0)

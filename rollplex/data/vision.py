@@ -1,11 +1,11 @@
 """Video and image decoding with the qwen-vl-utils 0.0.10 sampling and resizing rules.
 
-The defaults are the constants Video-R1 trains with (formats.md §1.6): 4-16 frames sampled at 2 fps,
-about 100k pixels per video frame, images within [3136, 200704] pixels. The arithmetic of
-``smart_resize``, ``smart_nframes`` and the per-frame video budget follows formats.md §2.2-§2.3
-exactly, so the frame count, the resized size and the ``sample_fps`` match what the reference
-pipeline hands to the processor. ``sample_fps`` is always the rate of the frames actually sampled,
-``n / total_frames * video_fps``; it is the one value that defines ``second_per_grid_ts`` downstream
+The defaults are the constants Video-R1 trains with (docs/video-r1-format.md, "Video sampling"): 4-16 frames
+sampled at 2 fps, about 100k pixels per video frame, images within [3136, 200704] pixels. The arithmetic of
+``smart_resize``, ``smart_nframes`` and the per-frame video budget follows qwen-vl-utils exactly
+(docs/video-r1-format.md, "Video sampling"), so the frame count, the resized size and the ``sample_fps`` match
+what the reference pipeline hands to the processor. ``sample_fps`` is always the rate of the frames actually
+sampled, ``n / total_frames * video_fps``; it is the one value that defines ``second_per_grid_ts`` downstream
 (field case B04).
 
 Example:
@@ -38,7 +38,8 @@ class MediaError(ValueError):
 
 @dataclass(frozen=True)
 class VideoSampling:
-    """Frame-count and pixel-budget rules for videos (formats.md §1.6, §2.1; Video-R1 defaults).
+    """Frame-count and pixel-budget rules for videos (Video-R1 defaults; docs/video-r1-format.md,
+    "Video sampling").
 
     Fields:
         fps: target sampling rate, frames per second of source time.
@@ -76,7 +77,8 @@ class VideoSampling:
 
 @dataclass(frozen=True)
 class ImageSampling:
-    """Pixel bounds for images (formats.md §1.6: ``MIN_PIXELS`` 4·28², Video-R1 ``MAX_PIXELS`` 256·28²).
+    """Pixel bounds for images: ``MIN_PIXELS`` 4·28², Video-R1 ``MAX_PIXELS`` 256·28²
+    (docs/video-r1-format.md, "Video sampling").
 
     Example:
         ImageSampling(max_pixels=401408)
@@ -101,11 +103,11 @@ def smart_resize(
 ) -> tuple[int, int]:
     """Target (height, width) in pixels: multiples of ``factor`` near the source aspect ratio.
 
-    formats.md §2.3: round each side to the nearest multiple of ``factor`` (Python ``round``, so
-    halves go to even; at least ``factor``); if the area exceeds ``max_pixels`` scale both sides by
-    ``1/sqrt(h·w/max_pixels)`` and floor to the factor; if it is below ``min_pixels`` scale by
-    ``sqrt(min_pixels/(h·w))`` and ceil. The bounds are not re-checked afterwards, so the result can
-    land slightly outside them (e.g. 112x112 with min 100352 gives 336x336 = 112896 px).
+    qwen-vl-utils (docs/video-r1-format.md, "Video sampling"): round each side to the nearest multiple of
+    ``factor`` (Python ``round``, so halves go to even; at least ``factor``); if the area exceeds
+    ``max_pixels`` scale both sides by ``1/sqrt(h·w/max_pixels)`` and floor to the factor; if it is below
+    ``min_pixels`` scale by ``sqrt(min_pixels/(h·w))`` and ceil. The bounds are not re-checked afterwards, so
+    the result can land slightly outside them (e.g. 112x112 with min 100352 gives 336x336 = 112896 px).
 
     Raises:
         ValueError: a side is not positive, ``min_pixels > max_pixels``, or the aspect ratio exceeds 200.
@@ -130,7 +132,8 @@ def smart_resize(
 
 
 def smart_nframes(total_frames: int, video_fps: float, sampling: VideoSampling) -> int:
-    """Number of frames to sample from a video of ``total_frames`` frames at ``video_fps`` (formats.md §2.2).
+    """Number of frames to sample from a video of ``total_frames`` frames at ``video_fps``
+    (docs/video-r1-format.md, "Video sampling").
 
     n = total_frames / video_fps · sampling.fps, clamped to
     [ceil_even(min_frames), floor_even(min(max_frames, total_frames))] and to total_frames, then
@@ -157,7 +160,8 @@ def smart_nframes(total_frames: int, video_fps: float, sampling: VideoSampling) 
 
 
 def frame_indices(total_frames: int, n: int) -> list[int]:
-    """Source frame indices to keep: ``round(linspace(0, total_frames - 1, n))`` (formats.md §2.2).
+    """Source frame indices to keep: ``round(linspace(0, total_frames - 1, n))`` (docs/video-r1-format.md,
+    "Video sampling").
 
     Computed as qwen-vl-utils does, with a float32 ``torch.linspace`` and ``torch.round`` (halves to
     even). Example: ``frame_indices(10, 4) == [0, 3, 6, 9]``.
@@ -171,10 +175,11 @@ def frame_indices(total_frames: int, n: int) -> list[int]:
 
 
 def video_max_pixels(n_frames: int, sampling: VideoSampling) -> float:
-    """Per-frame upper pixel bound for a clip of ``n_frames`` frames (formats.md §2.3).
+    """Per-frame upper pixel bound for a clip of ``n_frames`` frames (docs/video-r1-format.md,
+    "Video sampling").
 
     max(min(max_pixels, total_pixels / n_frames · 2), int(1.05 · min_pixels)); with Video-R1's
-    defaults this is 105,369 for any n <= 1800 (formats.md §1.6).
+    defaults this is 105,369 for any n <= 1800 (docs/video-r1-format.md, "Video sampling").
 
     Raises:
         ValueError: ``n_frames`` is not positive.
@@ -186,7 +191,8 @@ def video_max_pixels(n_frames: int, sampling: VideoSampling) -> float:
 
 
 def resize_frames(frames: torch.Tensor, height: int, width: int) -> torch.Tensor:
-    """Resize uint8 [T, 3, H, W] frames to uint8 [T, 3, height, width] (formats.md §2.3).
+    """Resize uint8 [T, 3, H, W] frames to uint8 [T, 3, height, width] (docs/video-r1-format.md,
+    "Video sampling").
 
     Bicubic with antialias on float32 values in 0-255, then rounded and clamped to uint8. Frames
     already at the target size are returned unchanged.
@@ -244,7 +250,8 @@ def read_video(path: Path | str, sampling: VideoSampling) -> VisualInput:
 
 
 def read_image(path: Path | str, sampling: ImageSampling) -> VisualInput:
-    """Decode an image file with Pillow (qwen-vl-utils 0.0.10 ``fetch_image``, formats.md §2.3).
+    """Decode an image file with Pillow (qwen-vl-utils 0.0.10 ``fetch_image``; docs/video-r1-format.md,
+    "Video sampling").
 
     RGBA is composited on white using the alpha channel; other modes are converted to RGB. The image
     is resized with Pillow bicubic to :func:`smart_resize` (factor 28, ``sampling`` bounds).

@@ -494,8 +494,8 @@ def _rows_to_heads(x: torch.Tensor, h: int) -> torch.Tensor:
 
 
 def _per_response(x: torch.Tensor, n: int) -> torch.Tensor:
-    """[1, Hkv, P, D] -> [N, Hkv, P, D], expanded (stride 0 over the responses), not copied: copying
-    made one layer's forward + backward over 8 groups 4% slower on one H200 (docs/benchmarks.md)."""
+    """[1, Hkv, P, D] -> [N, Hkv, P, D], expanded (stride 0 over the responses), not copied: a copy
+    made a layer's forward + backward slower (benchmarks/README.md)."""
     return x.expand(n, -1, -1, -1)
 
 
@@ -518,8 +518,8 @@ _MERGE = {}  # device type -> the merge used there (``_merge_on``)
 
 def _merge_on(device: torch.device) -> Callable:
     """``_merge`` as run on ``device``: compiled by torch.compile on CUDA, where its elementwise
-    kernels (four of them over [B, H, R, D]) become one (at the 3B shape on one H200, with the merge
-    then run per group, a layer's forward over 8 groups went from 3.42 to 2.64 ms); eager elsewhere,
+    kernels (four of them over [B, H, R, D]) become one (a shorter layer forward: benchmarks/README.md);
+    eager elsewhere,
     and from the first compile error on (logged once), or where the layers' compilation has fallen back
     (``models.compiled.compile_fallback``)."""
     if device.type != "cuda" or compile_fallback() is not None:  # the layers could not compile either
@@ -655,8 +655,8 @@ def sdpa_shared_prefix_attention(query, own_keys, own_values, plan: SuffixPlan, 
     """Suffix attention as one masked SDPA call per layer: per group, the N suffixes form one query
     sequence of N·R tokens against [boundary KV ; N·R own keys] with ``suffix_bool_mask``. The boundary
     KV is concatenated once per group (never N times); key/value heads are repeated to the query heads
-    for the kernels that take an arbitrary mask with a backward (on one H200 in bf16 SDPA picked cuDNN's;
-    the memory-efficient kernel takes such masks too). About half the scores are masked out; the causal
+    for the kernels that take an arbitrary mask with a backward (cuDNN's and the memory-efficient
+    kernel; SDPA's dispatcher picks among them). About half the scores are masked out; the causal
     backend skips them.
 
     Args:

@@ -3,10 +3,10 @@
 functions, so their elementwise work (RMSNorm in float32, RoPE, SiLU gate, bias adds, residual adds,
 dtype casts) is fused into a few kernels instead of one kernel per operator.
 
-Why: a kernel profile of one serial GRPO step of the 3B benchmark workload (docs/benchmarks.md) found
-up to 3.6 s of the 12.0 s of device time in eager elementwise kernels (``aten::mul`` alone 44,004
-calls, 1.44 s), launched one by one from the host: the prefix and suffix passes of the reference and the
-actor, their backward and activation-checkpointing's recompute.
+Why: in a kernel profile of one serial GRPO step of the benchmark workload (benchmarks/README.md),
+eager elementwise kernels, launched one by one from the host, take a large share of the device time:
+the prefix and suffix passes of the reference and the actor, their backward and
+activation-checkpointing's recompute.
 
 What is compiled (PyTorch's "regional compilation": one compiled function per repeated module class,
 shared by every layer): with scope ``layer`` (the default), each decoder layer's and vision block's
@@ -18,8 +18,8 @@ and after the attention call (four where torch lacks ``nested_graph_breaks``; sc
 plus the residual adds run eagerly). Embeddings, the LM head and the decode step (compiled separately,
 rollout.decode) are untouched.
 
-Why ``layer`` is the default: the prefix passes and the vision backward of the 3B workload are bound by
-the host's pace of launching work, not the device (``scripts/host_lag.py``; docs/benchmarks.md), and
+Why ``layer`` is the default: the prefix passes and the vision backward of the benchmark workload are
+bound by the host's pace of launching work, not the device (benchmarks/README.md), and
 every compiled graph costs the host its own wrapper, guards and autograd node in forward,
 recomputation and backward. Two graphs per layer instead of five, and the residual adds fused, cut
 that cost.
@@ -78,7 +78,7 @@ def compiles_layers(requested: bool, device: torch.device) -> bool:
 # Inductor rounds to the low-precision dtype wherever eager PyTorch does. Without it, a value fused into
 # its consumer can be used unrounded, and whether it is depends on the graph: a training graph saves the
 # residual sum for backward (rounded), an inference graph can feed it straight into the next norm. The
-# detached and attached prefix passes of one prompt then differed in bf16 on one H200, and prefill fusion
+# detached and attached prefix passes of one prompt then differed in bf16 on a GPU, and prefill fusion
 # (the attached pass seeding decode) no longer gave the serial schedule's update bitwise.
 _INDUCTOR_OPTIONS = {"emulate_precision_casts": True}
 

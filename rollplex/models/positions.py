@@ -1,7 +1,7 @@
 """3D (M-RoPE) position ids of a Qwen2.5-VL prompt, computed by rollplex with the reference rule.
 
-Reference rule (transformers 4.57 ``get_rope_index`` and vLLM ``get_mrope_input_positions``; formats.md
-§3.5, field-cases.md conventions): a text run of length L starting at s takes s..s+L-1 on all three rows.
+Reference rule (transformers 4.57 ``get_rope_index`` and vLLM ``get_mrope_input_positions``;
+docs/qwen2.5-vl.md, "3D positions"): a text run of length L starting at s takes s..s+L-1 on all three rows.
 A vision run with grid (t, h, w) patches has t·h·w / m² merged tokens (m = spatial merge size) in
 t-major, then row, then column order; starting at s it takes
 

@@ -2,8 +2,9 @@
 
 ``preset_config`` writes every field a runtime depends on explicitly, because several class defaults
 of ``Qwen2_5_VLVisionConfig`` are not the published values (hidden 3584 instead of 1280,
-tokens_per_second 4 instead of 2; formats.md §3.1). Values of the real sizes: formats.md §3.2; their
-parameter counts (checked by the tests on the meta device): formats.md §4.
+tokens_per_second 4 instead of 2; docs/qwen2.5-vl.md, "Config fields"). The real sizes' values are in
+docs/qwen2.5-vl.md, "Published sizes", and their parameter counts (checked by the tests on the meta
+device) in its "Parameter counts".
 
 The construction uses only fields and APIs present in transformers 5.17 and 5.24: nested
 ``text_config`` / ``vision_config`` dicts, ``rope_parameters`` (5.x name; 4.x used ``rope_scaling``),
@@ -91,7 +92,8 @@ def preset_shape(name: str) -> PresetShape:
 
 
 def _text_config(name: str, shape: PresetShape) -> dict:
-    """LM fields of ``name`` (formats.md §3.1–3.2); vocabulary and bos/eos from the preset's tokenizer."""
+    """LM fields of ``name`` (docs/qwen2.5-vl.md, "Config fields" and "Published sizes"); vocabulary and
+    bos/eos from the preset's tokenizer."""
     ids = added_token_ids(name)
     return dict(
         vocab_size=vocab_size(name),
@@ -140,9 +142,9 @@ def _vision_config(shape: PresetShape) -> dict:
 def preset_config(name: str) -> Qwen2_5_VLConfig:
     """``Qwen2_5_VLConfig`` of preset ``name`` with every LM and vision field set explicitly.
 
-    Real presets carry the published values (formats.md §3.2) and token ids bos 151643, eos 151645,
-    vision_start 151652, vision_end 151653, vision_token (``<|vision_pad|>``) 151654, image 151655,
-    video 151656; ``tiny`` takes its vocabulary size (448) and ids from the tiny tokenizer
+    Real presets carry the published values (docs/qwen2.5-vl.md, "Published sizes") and token ids bos 151643,
+    eos 151645, vision_start 151652, vision_end 151653, vision_token (``<|vision_pad|>``) 151654, image
+    151655, video 151656; ``tiny`` takes its vocabulary size (448) and ids from the tiny tokenizer
     (``tokenizer.added_token_ids``). The model pad id is left unset, as in the published configs, so the
     ``<|endoftext|>`` embedding row is initialised and trained like any other.
 
@@ -216,8 +218,9 @@ def init_model(
 
     Weights come from transformers' own initialisation under ``torch.manual_seed(seed)`` inside a forked
     CPU RNG (the caller's RNG state is untouched), so the same (name, seed, dtype) gives bitwise equal
-    weights (also across transformers 5.17 and 5.24). Parameters are allocated directly in ``dtype`` (no float32 copy): 3B needs about 7.5 GB in
-    bfloat16, 15 GB in float32; use ``meta_model`` to inspect a size without allocating.
+    weights (also across transformers 5.17 and 5.24). Parameters are allocated directly in ``dtype`` (no
+    float32 copy): 2 bytes per parameter in bfloat16, 4 in float32; use ``meta_model`` to inspect a size
+    without allocating.
 
     Raises:
         ValueError: unknown preset name, or ``dtype`` not one of float32 / bfloat16 / float16.

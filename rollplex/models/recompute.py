@@ -6,9 +6,8 @@ back-propagates through that recomputation (Chen et al. 2016, "Training Deep Net
 Memory Cost"; the reentrant scheme of ``torch.utils.checkpoint``).
 
 Why not torch's non-reentrant checkpoint, which training used before: its forward builds the layer's
-whole autograd graph and passes every tensor the graph saves through Python hooks. Measured on one H200
-at the 3B shape, that made the actor's attached prefix pass host-bound: 119.9 ms per group against 91.6
-ms this way, and 90.9 ms for the detached pass (docs/benchmarks.md, "Layer recompute"). A forward without
+whole autograd graph and passes every tensor the graph saves through Python hooks, which makes the
+actor's attached prefix pass host-bound, slower than this way (benchmarks/README.md). A forward without
 autograd issues what the detached prefix pass issues.
 
 Why not torch's reentrant checkpoint: a prefill layer has a second output, the boundary keys and

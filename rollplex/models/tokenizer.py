@@ -15,11 +15,11 @@ Id layout (no gaps: every id in ``[0, vocab_size)`` decodes):
 
 Fillers sit in the BPE vocabulary without merges that produce them, so encoding never emits them. The
 Qwen added tokens, their ids and which of them are special follow the published
-``tokenizer_config.json`` of Qwen2.5-VL (formats.md §3.2, field-cases.md conventions): 151643
+``tokenizer_config.json`` of Qwen2.5-VL (docs/qwen2.5-vl.md, "Published sizes"): 151643
 ``<|endoftext|>`` (pad) … 151645 ``<|im_end|>`` (eos) … 151652–151656 vision tokens; the tool-call and
 fill-in-the-middle tokens 151657–151664 are added but not special. The chat template is the Qwen2-VL
-template (formats.md §1.3 item 5). The processor uses patch 14, merge 2, temporal patch 2, CLIP
-mean/std, pixel bounds 3136 … 12,845,056, and never resamples video frames.
+template (docs/video-r1-format.md, "Prompt construction"). The processor uses patch 14, merge 2, temporal
+patch 2, CLIP mean/std, pixel bounds 3136 … 12,845,056, and never resamples video frames.
 """
 
 from __future__ import annotations
@@ -125,7 +125,8 @@ def _check_preset(preset: str) -> None:
 def vocab_size(preset: str) -> int:
     """Number of token ids of ``preset``'s vocabulary: 448 for ``tiny``, 151936 (3B) or 152064 (7B/32B).
 
-    Source: formats.md §3.2 (real sizes); tiny = 426 trained tokens + 22 Qwen added tokens.
+    Source: the published sizes (docs/qwen2.5-vl.md, "Published sizes"); tiny = 426 trained tokens + 22 Qwen
+    added tokens.
 
     Raises:
         ValueError: unknown preset name.
@@ -137,8 +138,9 @@ def vocab_size(preset: str) -> int:
 def added_token_ids(preset: str) -> dict[str, int]:
     """Id of each of the 22 Qwen added tokens in ``preset``'s vocabulary (token text -> id).
 
-    Real presets: the published ids 151643 ``<|endoftext|>`` … 151664 ``<|file_sep|>`` (formats.md §3.2);
-    tiny: the same order starting at 426. ``build_tokenizer(preset)`` assigns exactly these ids.
+    Real presets: the published ids 151643 ``<|endoftext|>`` … 151664 ``<|file_sep|>`` (docs/qwen2.5-vl.md,
+    "Published sizes"); tiny: the same order starting at 426. ``build_tokenizer(preset)`` assigns exactly
+    these ids.
 
     Raises:
         ValueError: unknown preset name.
@@ -151,9 +153,9 @@ def added_token_ids(preset: str) -> dict[str, int]:
 def training_corpus() -> list[str]:
     """The built-in English corpus the merges are trained on (deterministic, about 1,700 lines).
 
-    Chat scaffolding, the Video-R1 question template and answer-type suffixes (formats.md §1.3 items 2–3),
-    question sentences over colours × shapes × directions × sizes, counts and option lists, and
-    ``<think>`` / ``<answer>`` completions.
+    Chat scaffolding, the Video-R1 question template and answer-type suffixes (docs/video-r1-format.md,
+    "Prompt construction"), question sentences over colours × shapes × directions × sizes, counts and
+    option lists, and ``<think>`` / ``<answer>`` completions.
     """
     lines = ["system\nYou are a helpful assistant.\nuser\n", "assistant\n", QUESTION_TEMPLATE, *TYPE_SUFFIXES]
     for i, colour in enumerate(COLOURS):
@@ -237,8 +239,8 @@ def build_tokenizer(preset: str) -> PreTrainedTokenizerFast:
 
     ``len(tokenizer) == vocab_size(preset)``; the Qwen added tokens sit at ``added_token_ids(preset)`` (the
     first 14 special, the tool/FIM tokens plain added tokens); eos ``<|im_end|>``, pad ``<|endoftext|>``, no
-    bos token is prepended; the chat template is ``CHAT_TEMPLATE``. Building a real preset takes about 0.2 s
-    (151k-entry vocabulary); the result is a fresh object each call.
+    bos token is prepended; the chat template is ``CHAT_TEMPLATE``. A real preset builds a 151k-entry
+    vocabulary; the result is a fresh object each call.
 
     Raises:
         ValueError: unknown preset name.
@@ -266,7 +268,7 @@ def build_tokenizer(preset: str) -> PreTrainedTokenizerFast:
 
 def build_image_processor() -> Qwen2VLImageProcessor:
     """Image processor: patch 14, merge 2, temporal patch 2, CLIP mean/std, 3136 … 12,845,056 pixels,
-    bicubic (formats.md §3.2, published ``preprocessor_config.json``)."""
+    bicubic (published ``preprocessor_config.json``; docs/qwen2.5-vl.md, "Published sizes")."""
     return Qwen2VLImageProcessor(**_pixel_kwargs())
 
 
@@ -298,7 +300,7 @@ def build_processor(preset: str) -> Qwen2_5_VLProcessor:
     A uint8 video of T frames [T, 3, H, W] (T even, else the last frame is repeated; H, W multiples of 28
     within the pixel bounds, so no resize happens) becomes
     ``pixel_values_videos`` float32 [T/2·H/14·W/14, 1176] with ``video_grid_thw`` (T/2, H/14, W/14), and its
-    ``<|video_pad|>`` is expanded to T/2·H/28·W/28 tokens (formats.md §3.4).
+    ``<|video_pad|>`` is expanded to T/2·H/28·W/28 tokens (docs/qwen2.5-vl.md, "Processor video inputs").
 
     Raises:
         ValueError: unknown preset name.

@@ -1,4 +1,4 @@
-"""The vision tower's MLP with its intermediate width padded for cuBLAS's Hopper kernels.
+"""The vision tower's MLP with its intermediate width padded to a 16-byte-aligned size for cuBLAS.
 
 Legend: T vision patches, C vision hidden size, I the MLP's intermediate size, I' = I rounded up to a
 multiple of ``ALIGN_BYTES`` / element size.
@@ -6,9 +6,8 @@ multiple of ``ALIGN_BYTES`` / element size.
 Each vision block of Qwen2.5-VL computes down(SiLU(gate(x)) · up(x)) with I = 3420 for the 3B and 7B
 models (3456 for 32B: already aligned). In bf16 a row of 3420 elements is 6,840 bytes, not a multiple
 of 16, so the [T, I] activations and the [C, I] down weight have leading dimensions cuBLAS's sm90
-kernels cannot take, and the MLP's products fall back to sm80 kernels. A kernel profile of one serial GRPO step of
-the 3B benchmark workload on one H200 found 2.40 s of the step's device time in sm80 products, 2.11 s
-of it in the vision MLP's forward products and gate/up gradients alone (docs/benchmarks.md).
+kernels cannot take, and the MLP's products fall back to sm80 kernels (in a kernel profile of a GRPO
+step, most of the time spent in those is the vision MLP's: benchmarks/README.md).
 
 ``PaddedVisionMLP.forward`` runs the same MLP on weights padded with zeros to I' outputs (gate, up and
 their biases) and I' inputs (down). The padded units are exactly zero — gate and up give 0 there,

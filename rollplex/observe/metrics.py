@@ -214,8 +214,8 @@ class PhaseTimer:
         return out
 
 
-# Steps that must be left for a freeze to pay: on one H200 a pass over the whole heap came once in
-# six to ten steps of a 3B GRPO run (GcClock).
+# Steps that must be left for a freeze to pay: a pass over the whole heap comes once in several steps of
+# a GRPO run (GcClock; how often, and what it costs, in benchmarks/README.md).
 FREEZE_MIN_STEPS_LEFT = 8
 
 
@@ -228,23 +228,20 @@ class GcClock:
     tunes it: the seconds and passes of each step (``gc.callbacks``, read with ``pop``), and the
     long-lived heap kept out of later passes once the first step has built it (``step_done``).
 
-    A pass over the oldest generation (CPython 3.12, as measured) visits every object the process
-    holds: the models, transformers' modules, torch.compile's caches. On one H200 such a pass took
-    0.65-0.70 s inside a 3B GRPO step of 8.7 s (one in each of two rows of 6 and 10 steps), which is
-    step time where the host is on the critical path. After the first step (which compiles and
-    captures), unless fewer than ``FREEZE_MIN_STEPS_LEFT`` steps are left, ``step_done`` runs one
-    full pass and then ``gc.freeze()``: what is alive then moves to the permanent generation, which
-    later passes skip. Those objects are still freed by reference counting, but a reference cycle
-    that includes one of them, and everything the cycle references, is kept until the heap is
-    unfrozen: at ``refreeze`` (the training loop calls it at each checkpoint with at least
-    ``FREEZE_MIN_STEPS_LEFT`` steps after it, outside the step times; a pass over the whole heap each
-    but where no step has ended since the freeze, so a checkpoint every step costs one such pass per
-    step) and at ``__exit__``, after which the
-    next pass frees what has died (a benchmark row's models, say). Where the process had frozen
-    objects before ``__enter__`` (someone else's freeze), this clock freezes nothing and unfreezes
-    nothing; someone else's freeze after ``__enter__`` is not told apart and is unfrozen with the
-    clock's. The collector runs in whichever thread allocates, the worker thread included; passes do
-    not overlap (they hold the GIL).
+    A pass over the oldest generation (CPython 3.12) visits every object the process holds: the
+    models, transformers' modules, torch.compile's caches. Such a pass is step time wherever the host
+    is on the critical path (its share of a step: benchmarks/README.md). After the first step (which compiles
+    and captures), unless fewer than ``FREEZE_MIN_STEPS_LEFT`` steps are left, ``step_done`` runs one full
+    pass and then ``gc.freeze()``: what is alive then moves to the permanent generation, which later passes
+    skip. Those objects are still freed by reference counting, but a reference cycle that includes one of
+    them, and everything the cycle references, is kept until the heap is unfrozen: at ``refreeze`` (the
+    training loop calls it at each checkpoint with at least ``FREEZE_MIN_STEPS_LEFT`` steps after it, outside
+    the step times; a pass over the whole heap each but where no step has ended since the freeze, so a
+    checkpoint every step costs one such pass per step) and at ``__exit__``, after which the next pass frees
+    what has died (a benchmark row's models, say). Where the process had frozen objects before ``__enter__``
+    (someone else's freeze), this clock freezes nothing and unfreezes nothing; someone else's freeze after
+    ``__enter__`` is not told apart and is unfrozen with the clock's. The collector runs in whichever thread
+    allocates, the worker thread included; passes do not overlap (they hold the GIL).
 
     Args:
         clock: seconds counter (``time.perf_counter``; tests pass a fake).

@@ -54,9 +54,8 @@ def resolve_graph_window(setting: int, attention: str) -> int:
 
     Why: the fused kernel's launch depends on the window only through its number of own-key chunks,
     and reads no key past the step, so any window inside one chunk launches the same programs and
-    gives the same bits; a finer window only adds captures (on one H200 at the 3B workload, four
-    128-token windows took 0.105-0.134 s of decode setup per step against 0.030 s for one,
-    docs/benchmarks.md). A window that is not a divisor of the chunk (say 300) cuts windows across
+    gives the same bits; a finer window only adds captures (and their setup time: benchmarks/README.md).
+    A window that is not a divisor of the chunk (say 300) cuts windows across
     chunk boundaries, where a step's launch gets one more own-key chunk: exact, but not bitwise the
     default's. The dense attention's score tensors span the whole window, so a finer window saves it
     masked work, and a step reads at most ``window - 1`` masked cache slots.

@@ -4,11 +4,10 @@ Legend: G groups, N group size, B = G·N rows, H query heads, Hkv key/value head
 D head dim, P padded prompt length, L own-key window.
 
 The dense decode attention (rollout.decode.decode_attention) writes float32 score tensors
-[B, Hkv, rep, P + L] to memory and reads them back several times per layer; on the 3B workload a
-kernel profile of the captured dense step found 5.8 of its 9.7 busy ms in those passes and the
-norms/RoPE. Here, as in flash-decoding, each program streams one chunk of keys through an online
-softmax and writes only a partial result (running max m, normaliser l, unnormalised output acc) per
-query; a merge kernel combines the partials:
+[B, Hkv, rep, P + L] to memory and reads them back several times per layer, passes that take most
+of the captured dense step's device time (benchmarks/README.md). Here, as in flash-decoding, each program
+streams one chunk of keys through an online softmax and writes only a partial result (running max m,
+normaliser l, unnormalised output acc) per query; a merge kernel combines the partials:
 
     out = Σ_s exp(m_s − M) acc_s / Σ_s exp(m_s − M) l_s,   M = max_s m_s
 
@@ -22,10 +21,8 @@ program whose chunk holds the step first writes the step's key and value into th
 needs no separate cache write. Given the rotary tables, every program applies RoPE to the queries it
 loads, and the cache write to the step's key, so the step needs no RoPE kernel either.
 
-The CUDA default (``rollout.decode_attention: auto``): on the 3B workload the captured and compiled
-decode step, without fused projections and sampling, takes 4.19 ms with it against 8.99 ms with the
-dense attention, measured on one H200 (docs/benchmarks.md, "The decode step, fewer kernels per
-layer"). tests/rollout checks it against the dense path through
+The CUDA default (``rollout.decode_attention: auto``); the decode step's time with it and with the
+dense attention is in benchmarks/README.md. tests/rollout checks it against the dense path through
 Triton's interpreter on the CPU and, on CUDA, in bf16 at the 3B shape against float64.
 """
 
@@ -42,10 +39,10 @@ except ImportError:  # pragma: no cover - exercised only on installs without Tri
     triton = tl = None
 
 PREFIX_CHUNK = 512  # boundary keys per prefix program
-OWN_CHUNK = 512  # own keys per own-key program (scripts/attention_sweep.py picked both on one H200)
+OWN_CHUNK = 512  # own keys per own-key program (both chunk sizes from a tuning sweep: benchmarks/README.md)
 BLOCK_KEYS = 64  # keys per inner iteration
-NUM_WARPS, NUM_STAGES = 4, 3  # the partials launch (Triton's defaults; the sweep's fastest on one H200)
-MERGE_WARPS = 1  # the merge launch, one (row, head) per program (the sweep's fastest on one H200)
+NUM_WARPS, NUM_STAGES = 4, 3  # the partials launch (Triton's defaults, kept by the same sweep)
+MERGE_WARPS = 1  # the merge launch, one (row, head) per program (from the same sweep)
 
 
 def supports(heads: int, kv_heads: int, head_dim: int) -> bool:
@@ -265,10 +262,9 @@ def fused_decode_attention(
             before RoPE and the kernel rotates them as it loads them (in float32, float64 for float64
             inputs, rounded once), so the step needs no RoPE kernel; None: q and new_k come rotated.
         group_size: N. prefix_chunk/own_chunk: keys per prefix / own-key program (positive; tuning
-            knobs, measured by scripts/attention_sweep.py; any size is exact). block_keys (a power of
-            two >= 16), num_warps (a power of two), num_stages: keys per inner iteration and the partials
-            launch's warps and pipeline stages; merge_warps (a power of two): the merge launch's warps
-            (tuning knobs as well).
+            knobs; any size is exact). block_keys (a power of two >= 16), num_warps (a power of two),
+            num_stages: keys per inner iteration and the partials launch's warps and pipeline stages;
+            merge_warps (a power of two): the merge launch's warps (tuning knobs as well).
 
     Returns:
         [B, H·D] in the dtype of ``q`` (softmax statistics and accumulation in float32).

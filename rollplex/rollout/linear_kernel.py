@@ -12,12 +12,10 @@ division, which compile to approximate instructions on NVIDIA GPUs: within float
 PyTorch's, not bitwise).
 
 Every [BLOCK_M ≤ 64]-row tile of x streams the whole weight, so the decode step uses the kernel for at
-most ``MAX_ROWS`` = 64 rows (the measured shape); a larger batch keeps cuBLAS's product.
+most ``MAX_ROWS`` = 64 rows (one row tile); a larger batch keeps cuBLAS's product.
 
-Measured on one H200 at the 3B shape (64 rows, 2048 → 2 × 11008; scripts/linear_sweep.py, 36 layers'
-weights in a CUDA graph): 25.1-25.8 µs per call, against 26.1-26.6 µs for cuBLAS's product alone,
-before its SiLU kernel. Split-K Triton products for q/k/v, o and down (commits 188f3ed and 1e3cf09)
-were slower than cuBLAS (docs/benchmarks.md), so those stay with cuBLAS.
+Its time per call against cuBLAS's product alone, and why the q/k/v, o and down products stay with
+cuBLAS (Triton split-K products for them were slower), are in benchmarks/README.md.
 
 tests/rollout checks the kernel against float64 products through Triton's interpreter on the CPU and,
 on CUDA, in bf16; tests/numerics checks a rollout through it against the trainer.
@@ -43,8 +41,8 @@ MAX_ROWS = 64  # the decode step uses the kernel up to this many rows (one row t
 @dataclass(frozen=True)
 class GateLaunch:
     """Launch settings: output features per program and K per inner iteration (powers of two >= 16),
-    warps (a power of two) and pipeline stages (>= 1). The default was the fastest setting measured
-    twice by scripts/linear_sweep.py on one H200 (any setting is exact)."""
+    warps (a power of two) and pipeline stages (>= 1). The default comes from a tuning sweep
+    (benchmarks/README.md; any setting is exact)."""
 
     block_n: int = 32
     block_k: int = 64

@@ -3,10 +3,10 @@
 Legend: B rows, V vocabulary, S vocabulary splits.
 
 ``rollout.sampler.race_tokens`` makes about ten passes over float32 [B, V] tensors per step (mask,
-cast, scale, log-softmax, finiteness, log of the noise, subtraction, argmax, gather); with B = 64 and
-V = 151,936 that took ≈ 0.35 ms of a 4.5 ms decode step on one H200, and torch.compile fused it into
-one reduction per row that took 1.2 ms (64 programs for the whole device). Here the vocabulary is split
-over S programs per row, each streaming its slice of the logits and the noise once:
+cast, scale, log-softmax, finiteness, log of the noise, subtraction, argmax, gather), and torch.compile
+fuses them into one reduction per row (B programs for the whole device, too few to fill it; both
+timed in benchmarks/README.md). Here the vocabulary is split over S programs per row, each streaming
+its slice of the logits and the noise once:
 
     x_v = logit_v / T (−inf at banned ids),   m_s = max x,   l_s = Σ exp(x − m_s),
     best_s = max (x_v − log E_v) and its first index,
@@ -14,9 +14,8 @@ over S programs per row, each streaming its slice of the logits and the noise on
 and a merge per row gives lse = M + log Σ_s l_s exp(m_s − M), the token = argmax over splits (first
 index on ties, as ``argmax``), and its log-prob x_token − lse — the trainer's definition
 (``token_logprobs``) up to float32 summation order. Each program keeps one running max m_s (a block's
-max joins it once per block), so a logit costs one exp; measured on one H200 at the decode workload's
-shape (64 × 151,936, bf16 logits; scripts/race_sweep.py), the race (both kernels) takes 33.4 µs per
-call, against 55.5 µs with a running max per lane (two exps per logit) and int64 ids. The argmax is
+max joins it once per block), so a logit costs one exp (a running max per lane costs two, and was
+slower with int64 ids: benchmarks/README.md). The argmax is
 over x − log E instead of log p − log E: the two differ by the row constant lse, the same law. Top-p /
 top-k / greedy keep the eager race (``fused_race`` falls back), and so do vocabularies over
 ``MAX_VOCAB`` = 2³⁰ ids (ids within a row are int32, with room for a slice's and a block's overshoot).

@@ -74,7 +74,7 @@ def green_stream(device: torch.device, sms: int) -> tuple[torch.cuda.Stream | No
 
     Returns:
         (stream, SMs it runs on): the driver rounds ``sms`` up to its partition granularity (a multiple
-        of 8 on an H200: 66 gives 72), read back from the driver where cuda.bindings can, else
+        of a few SMs, which depends on the device), read back from the driver where cuda.bindings can, else
         ``sms``. (None, 0), with a warning the first time, where torch, cuda.bindings or the driver has
         no green contexts or the rounded count is not below the device's SM count (callers then use a
         plain stream).

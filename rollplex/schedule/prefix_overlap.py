@@ -104,10 +104,9 @@ def auto_candidates(device: torch.device) -> list[CoRunPolicy]:
     """The policies ``auto`` tries: prefixes after decode, overlap with decode priority, chunked issue
     (one group at a time), and an SM carve-out keeping half the SMs free of prefix GEMMs.
 
-    Not tried: the reference prefix confined to some SMs by a green context (``schedule.prefix_sms``). On
-    one H200 at the 3B workload it cut decode's slowdown but stretched the prefix more
-    (docs/benchmarks.md, run L: span 2.72 s on 72 SMs and 3.02 s on 40, against 2.55 s for overlap
-    with priority alone), and the auto run that tried it peaked 14 GiB higher than one without."""
+    Not tried: the reference prefix confined to some SMs by a green context (``schedule.prefix_sms``):
+    it cut decode's slowdown but stretched the prefix more, for a longer span than overlap with priority
+    alone, and it raised the run's peak memory (benchmarks/README.md)."""
     candidates = [CoRunPolicy(overlap=False), CoRunPolicy(), CoRunPolicy(chunk_groups=1)]
     if device.type == "cuda":
         sms = torch.cuda.get_device_properties(device).multi_processor_count
@@ -118,9 +117,8 @@ def auto_candidates(device: torch.device) -> list[CoRunPolicy]:
 # auto keeps the first candidate (auto_candidates' order: the simplest first) whose median span is
 # within this fraction of the shortest: a policy that adds machinery (chunking, the SM carve-out, an
 # experimental torch setting) must save more than 1% of the span over the ones before it. A cost cap
-# that favours the simpler policy, not a noise bound: on one H200 (3B workload) the spans moved by
-# 0.9-2.7% between two processes, more than the policies' differences, so the choice can still
-# differ from run to run.
+# that favours the simpler policy, not a noise bound: the spans move between two processes by more than
+# the policies' differences (benchmarks/README.md), so the choice can still differ from run to run.
 AUTO_TOLERANCE = 0.01
 
 
@@ -254,8 +252,8 @@ class PrefixOverlapSchedule:
 
     Calibration: steps run the side work after decode, measuring decode and side work alone, until a
     step that is not the first of its process has done so. The first step of a process also compiles
-    the layers and captures the decode step (on one H200 at the 3B workload its side work took 9.7 s,
-    against 0.7 s in a warmed-up process), so its figures stand only until such a step replaces them. A
+    the layers and captures the decode step (its side work takes many times as long as in a warmed-up
+    process), so its figures stand only until such a step replaces them. A
     new run therefore calibrates on its first ``CALIBRATION_STEPS`` steps; a resumed, calibrated run
     keeps the figures of its checkpoint. auto's trials follow calibration; a resumed run whose trials
     are not done runs its first step after decode without counting it as a trial, so no trial's span

@@ -1,4 +1,5 @@
-"""Frame sampling, resizing and decoding against formats.md §1.6 / §2 and field case B04."""
+"""Frame sampling, resizing and decoding against qwen-vl-utils (docs/video-r1-format.md, "Video sampling") and
+field case B04."""
 
 import re
 from fractions import Fraction
@@ -25,7 +26,8 @@ from rollplex.data.vision import (
 )
 
 VIDEO_R1 = VideoSampling()
-# qwen-vl-utils 0.0.10 module defaults without Video-R1's edits (formats.md §1.6, "upstream" column).
+# qwen-vl-utils 0.0.10 module defaults without Video-R1's edits (docs/video-r1-format.md, "Video sampling",
+# upstream values).
 UPSTREAM = VideoSampling(max_frames=768, max_pixels=602112)
 
 

@@ -1,4 +1,5 @@
-"""3D M-RoPE positions against hand-computed layouts (field-cases.md conventions, B01, B04, B06)."""
+"""3D M-RoPE positions against hand-computed layouts (docs/qwen2.5-vl.md, "3D positions"; field cases B01,
+B04, B06)."""
 
 from __future__ import annotations
 
@@ -104,8 +105,9 @@ def test_text_only_prompt():
 def test_image_positions_equal_transformers_get_rope_index(layout):
     """An independent oracle for image-only prompts: transformers' own ``get_rope_index``, for images of
     one temporal patch, which is what the image processor makes. (For more temporal patches, and after a
-    video, releases differ from the reference rule of formats.md, 4.57's, which the hand-computed tests
-    above pin.) The signature is that of the supported releases (>= 5.17), which take the token types."""
+    video, releases differ from the reference rule (docs/qwen2.5-vl.md, "3D positions"), 4.57's, which the
+    hand-computed tests above pin.) The signature is that of the supported releases (>= 5.17), which take the
+    token types."""
     from rollplex.models.presets import meta_model
 
     model = meta_model("tiny")

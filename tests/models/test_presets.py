@@ -1,7 +1,8 @@
 """Model presets: published config values, meta parameter counts, and the tiny checkpoint on disk.
 
-Oracles: the values table of formats.md §3.2 and the parameter counts of formats.md §4, typed in here
-by hand, and an independent parameter-count formula (formats.md §4) checked against those counts.
+Oracles: the values table (docs/qwen2.5-vl.md, "Published sizes") and the parameter counts
+(docs/qwen2.5-vl.md, "Parameter counts"), typed in here by hand, and an independent parameter-count formula
+(same section) checked against those counts.
 """
 
 from __future__ import annotations
@@ -29,13 +30,14 @@ from rollplex.models.presets import (
 )
 from rollplex.models.tokenizer import VOCAB_SIZES, build_tokenizer
 
-# formats.md §3.2: hidden, layers, heads, kv heads, intermediate, vocab, tied, vision intermediate
+# docs/qwen2.5-vl.md, "Published sizes": hidden, layers, heads, kv heads, intermediate, vocab, tied, vision
+# intermediate
 PUBLISHED = {
     "qwen2.5-vl-3b": (2048, 36, 16, 2, 11008, 151936, True, 3420),
     "qwen2.5-vl-7b": (3584, 28, 28, 4, 18944, 152064, False, 3420),
     "qwen2.5-vl-32b": (5120, 64, 40, 8, 27648, 152064, False, 3456),
 }
-# formats.md §4 model totals
+# docs/qwen2.5-vl.md, "Parameter counts": model totals
 PARAMETERS = {
     "qwen2.5-vl-3b": 3_754_622_976,
     "qwen2.5-vl-7b": 8_292_166_656,
@@ -61,7 +63,8 @@ TINY_VISION = dict(zip(VISION_FIELDS, (2, 32, 2, 64, 64, 14, 2, 2, 2, 112, [1], 
 
 
 def formula_parameters(config: Qwen2_5_VLConfig) -> int:
-    """formats.md §4 written out: decoder layers, embeddings (+ untied head), final norm, vision tower."""
+    """The parameter count formula (docs/qwen2.5-vl.md, "Parameter counts") written out: decoder layers,
+    embeddings (+ untied head), final norm, vision tower."""
     text, vision = config.text_config, config.vision_config
     h, i, v = text.hidden_size, text.intermediate_size, text.vocab_size
     kv = text.num_key_value_heads * h // text.num_attention_heads

@@ -1,7 +1,7 @@
 """The locally built tokenizer and processor: id layout, special tokens, chat template, vision expansion.
 
-Expected ids are the published Qwen2.5-VL ones (formats.md §3.2, field-cases.md conventions), written
-out here by hand; the chat layout is formats.md §1.3 item 5.
+Expected ids are the published Qwen2.5-VL ones (docs/qwen2.5-vl.md, "Published sizes"), written
+out here by hand; the chat layout follows (docs/video-r1-format.md, "Prompt construction").
 """
 
 from __future__ import annotations

@@ -191,7 +191,7 @@ def _sm_ids(stream: torch.cuda.Stream, programs: int = 4096) -> set[int]:
 @pytest.mark.parametrize("asked", [16, 66])
 def test_green_stream_keeps_every_kernel_on_the_sms_it_reports(asked):
     """A kernel launched on a green stream runs on exactly as many SMs as ``green_stream`` reports (at
-    least the number asked: the driver rounds up, 66 to 72 on an H200); the same kernel on a plain
+    least the number asked: the driver rounds up to its granularity); the same kernel on a plain
     stream spreads over more."""
     device = torch.device("cuda")
     stream, count = green_stream(device, asked)
@@ -261,7 +261,7 @@ def _tensors_in_cycles() -> int:
 def test_a_step_leaves_no_tensor_to_the_garbage_collector(row, no_automatic_gc):
     """A step's tensors are freed when the step's last reference goes, not when the collector runs:
     nothing of a step, the prefixes the worker thread made included, sits in a reference cycle (the
-    worker's function closing over the worker kept its result, on one H200 2.2 GiB per step)."""
+    worker's function closing over the worker kept its result, the prefixes' boundary KV, each step)."""
     import gc
 
     from rollplex.bench.schedule import ROWS, _Workload, make_step

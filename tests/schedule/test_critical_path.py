@@ -93,7 +93,7 @@ def test_auto_tries_each_policy_twice_then_keeps_the_fastest_median(assets, tmp_
 
 def test_auto_keeps_the_simplest_policy_within_the_tolerance_of_the_shortest_span():
     """The first candidate in trial order within ``AUTO_TOLERANCE`` of the shortest median span: the
-    spans of two runs on one H200 (call 4 keeps overlap with priority, 0.1% behind chunked; call 3 the
+    spans of two example runs (call 4 keeps overlap with priority, 0.1% behind chunked; call 3 the
     carve-out, 2% ahead of the next); a sequential span within the tolerance keeps the prefixes after
     decode."""
     from rollplex.schedule.prefix_overlap import AUTO_TOLERANCE, choose_policy

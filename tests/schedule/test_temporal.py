@@ -59,8 +59,8 @@ def varied_accuracy(monkeypatch):
 
 
 def _rule(ordered: list[list[float]], shuffled: list[list[float]]) -> list[list[float]]:
-    """The bonus written out (formats.md §1.4 with μ explicit): alpha for each ordered response above 0.1
-    in a group whose mean ordered accuracy is >= μ × its mean shuffled accuracy."""
+    """The bonus written out (docs/video-r1-format.md, "Rewards", with μ explicit): alpha for each ordered
+    response above 0.1 in a group whose mean ordered accuracy is >= μ × its mean shuffled accuracy."""
     out = []
     for acc, twin in zip(ordered, shuffled, strict=True):
         granted = sum(acc) / len(acc) >= MU * sum(twin) / len(twin)
