@@ -164,7 +164,7 @@ class ModelConfig:
     compile_scope: str = _field(
         "layer",
         "what one compiled function covers with compile_layers: layer (a whole decoder layer or vision "
-        "block, two graphs around its attention call) or parts (its norms, attention module and MLP apart, "
+        "block, a few graphs around its attention call) or parts (its norms, attention module and MLP apart, "
         "five graphs; more host work per layer)",
         choices=COMPILE_SCOPES,
     )
