@@ -42,6 +42,7 @@ from rollplex.data.records import load_records
 from rollplex.data.vision import ImageSampling, VideoSampling
 from rollplex.models.attention import cascade_kernels
 from rollplex.models.compiled import compile_fallback, compiles_layers
+from rollplex.models.folder import check_model_folder
 from rollplex.models.forward import enable_checkpointing, prepare_model, suffix_backend
 from rollplex.models.positions import VisionTokens
 from rollplex.observe.metrics import (
@@ -180,10 +181,16 @@ def _check_suffix_attention(cfg: Config) -> str:
 
 
 def build_run(cfg: Config) -> Run:
-    """Models, optimizer, sampling and data of a run (from ``cfg``; no checkpoint applied)."""
+    """Models, optimizer, sampling and data of a run (from ``cfg``; no checkpoint applied).
+
+    Raises:
+        ValueError: ``validate_for_training``'s and ``models.folder.check_model_folder``'s errors (a
+            ``model.path`` that is not a Qwen2.5-VL model folder a run can load), before anything loads.
+    """
     from transformers import AutoProcessor
 
     validate_for_training(cfg)
+    check_model_folder(cfg.model.path)  # before the processor and models load from it
     device = torch.device(resolve_device(cfg.run))
     dtype = resolve_dtype(cfg.run, device.type)
     seed_everything(cfg.run.seed)

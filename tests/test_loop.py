@@ -20,6 +20,7 @@ from rollplex.data.records import DatasetError
 from rollplex.data.synth import generate_dataset
 from rollplex.loop import build_run, duration_text, step_memory, train
 from rollplex.models.compiled import compiled_scope, layers_compiled
+from rollplex.models.folder import check_model_folder
 from rollplex.models.presets import init_checkpoint
 
 
@@ -157,6 +158,7 @@ def test_run_artefacts(assets, tmp_path):
     latest = run / "checkpoints" / (run / "checkpoints" / "latest").read_text().strip() / "hf"
     Qwen2_5_VLForConditionalGeneration.from_pretrained(latest)
     AutoProcessor.from_pretrained(latest)
+    check_model_folder(latest)  # a checkpoint can start another run
 
 
 def test_step_memory_gives_the_peak_and_what_stays_allocated_in_gib(monkeypatch):
@@ -255,6 +257,19 @@ def test_existing_run_folder_is_never_overwritten_by_accident(assets, tmp_path):
     assert (run / "metrics.jsonl").read_text() == before
     train(cfg, overwrite=True)
     assert [row["step"] for row in _metrics(run)] == [1]
+
+
+def test_a_model_folder_of_another_architecture_stops_the_run_before_it_loads(assets, tmp_path, monkeypatch):
+    model, data = assets
+    llama = shutil.copytree(model, tmp_path / "llama")
+    config = json.loads((llama / "config.json").read_text())
+    (llama / "config.json").write_text(json.dumps({**config, "model_type": "llama"}))
+    loaded = []
+    monkeypatch.setattr("transformers.AutoProcessor.from_pretrained", lambda *a, **k: loaded.append(a))
+    cfg = _config((llama, data), tmp_path / "run", 1)
+    with pytest.raises(ValueError, match=r"model_type 'llama'.*Qwen2\.5-VL models \(model_type qwen2_5_vl\)"):
+        train(cfg)
+    assert not loaded and not (tmp_path / "run").exists()
 
 
 @pytest.mark.parametrize(("name", "why"), [("bogus", "expected one of"), ("flex", "needs CUDA")])
