@@ -436,9 +436,9 @@ def train(cfg: Config, resume: bool = False, overwrite: bool = False) -> Path:
     if first_eval:
         metrics.write({"step": step, **first_eval})
     timer = PhaseTimer(sync=torch.cuda.synchronize if run.device.type == "cuda" else None)
-    bar = ProgressBar(total=cfg.run.steps, initial=step, enabled=cfg.run.progress)
     record: dict = {}
-    with GcClock() as gc_clock:  # times the garbage collector per step; see step_done
+    bar = ProgressBar(total=cfg.run.steps, initial=step, enabled=cfg.run.progress)
+    with bar, GcClock() as gc_clock:  # warnings print above the bar; GcClock: see step_done
         while step < cfg.run.steps:
             timer.step = step + 1  # the trace's spans carry the step metrics.jsonl numbers them by
             record = _train_step(run, step, timer, gc_clock)
@@ -465,7 +465,7 @@ def train(cfg: Config, resume: bool = False, overwrite: bool = False) -> Path:
                     )
                 # a killed run keeps its trace
                 write_chrome_trace(timer.spans, trace_path, earlier_trace, resume_step)
-    bar.close()  # the last step always saves a checkpoint, and with it the trace
+    # the last step always saves a checkpoint, and with it the trace
     _summary(run, first_eval, record, time.perf_counter() - started)
     return run.run_dir
 
@@ -584,6 +584,19 @@ def duration_text(seconds: float) -> str:
     return f"{seconds:.0f} s" if seconds < 59.5 else f"{seconds / 60:.1f} min"
 
 
+def _skipped_text(last: dict) -> str:
+    """The samples skipped over the run (``skipped_samples``, and ``val_skipped_samples`` where the run
+    evaluates), both counts once either is not 0, e.g. "samples skipped: 4 training, 0 held-out (each
+    named in a warning above)"; "" where none was."""
+    counts = {"training": last.get("skipped_samples", 0)}
+    if "val_skipped_samples" in last:
+        counts["held-out"] = last["val_skipped_samples"]
+    if not any(counts.values()):
+        return ""
+    text = ", ".join(f"{n} {split}" for split, n in counts.items())
+    return f"samples skipped: {text} (each named in a warning above)"
+
+
 def _summary(run: Run, first: dict, last: dict, seconds: float) -> None:
     parts = [f"run folder {run.run_dir}", f"{duration_text(seconds)} from model load to last save"]
     if "val_accuracy" in first and "val_accuracy" in last:
@@ -592,12 +605,9 @@ def _summary(run: Run, first: dict, last: dict, seconds: float) -> None:
         parts.append(f"held-out accuracy {last['val_accuracy']:.3f}")
     if "chance_accuracy" in last:
         parts.append(f"chance {last['chance_accuracy']:.3f}")
-    skipped = last.get("skipped_samples", 0)  # _train_step's count
+    skipped = _skipped_text(last)
     if skipped:
-        parts.append(f"{skipped} samples skipped")
-    val_skipped = last.get("val_skipped_samples", 0)
-    if val_skipped:
-        parts.append(f"{val_skipped} held-out samples skipped")
+        parts.append(skipped)
     if run.updates_skipped:
         plural = "s" if run.updates_skipped != 1 else ""
         parts.append(f"{run.updates_skipped} update{plural} skipped (gradient norm not finite)")

@@ -208,7 +208,7 @@ def test_bad_samples_are_skipped_and_counted(assets, tmp_path, caplog):
             "data.shuffle": False,  # the three bad records are the first drawn
         },
     )
-    with caplog.at_level(logging.WARNING):
+    with caplog.at_level(logging.INFO):
         run = train(cfg)
     assert _metrics(run)[-1]["skipped_samples"] == 4  # three when drawn, the malformed one at load
     assert [r["val_skipped_samples"] for r in _metrics(run) if "val_accuracy" in r] == [2, 2]
@@ -219,6 +219,8 @@ def test_bad_samples_are_skipped_and_counted(assets, tmp_path, caplog):
     assert (
         sum("9004" in x for x in lines) == 1 and sum("9006" in x for x in lines) == 1
     )  # malformed: named once
+    done = [x for x in lines if "done: " in x]
+    assert len(done) == 1 and "samples skipped: 4 training, 2 held-out" in done[0], done
 
 
 def test_nothing_usable_stops_with_a_clear_error(assets, tmp_path):

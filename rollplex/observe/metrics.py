@@ -46,6 +46,7 @@ from typing import IO
 
 import torch
 from tqdm import tqdm
+from tqdm.contrib.logging import logging_redirect_tqdm
 
 from rollplex.types import StepStats
 
@@ -470,6 +471,11 @@ def postfix(step_metrics: Mapping[str, float | None]) -> dict[str, str]:
 class ProgressBar:
     """tqdm bar over optimizer steps with ETA and a short postfix (reward, acc, s/step).
 
+    While the bar is shown, log records that the root logger's console handlers (stderr, stdout) would
+    print are written on their own lines above it (``tqdm.contrib.logging.logging_redirect_tqdm``: the
+    bar is cleared, the line written, the bar drawn again), so a warning such as a skipped sample is not
+    appended to the bar's line. ``close`` (or leaving a ``with`` block) puts the handlers back.
+
     Args:
         total: steps of the whole run. initial: steps already done (resume). enabled: False shows nothing.
         file: stream to draw on (tqdm default: stderr).
@@ -479,6 +485,15 @@ class ProgressBar:
         self._bar = tqdm(
             total=total, initial=initial, disable=not enabled, unit="step", dynamic_ncols=True, file=file
         )
+        self._redirect = contextlib.ExitStack()
+        if enabled:
+            self._redirect.enter_context(logging_redirect_tqdm(tqdm_class=tqdm))
+
+    def __enter__(self) -> ProgressBar:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     def update(self, step_metrics: Mapping[str, float | None]) -> None:
         """Advance one step and show its postfix fields."""
@@ -487,3 +502,4 @@ class ProgressBar:
 
     def close(self) -> None:
         self._bar.close()
+        self._redirect.close()
