@@ -1,7 +1,7 @@
 """Typed run configuration: declared once, validated at load.
 
-A ``Config`` has eight sections (``run``, ``model``, ``data``, ``rollout``, ``algo``, ``reward``,
-``optim``, ``eval``), each a keyword-only dataclass. Every field has a default and a one-line
+A ``Config`` has nine sections (``run``, ``model``, ``data``, ``rollout``, ``algo``, ``reward``,
+``optim``, ``eval``, ``logging``), each a keyword-only dataclass. Every field has a default and a one-line
 description with units in ``dataclasses.field(metadata={"help": ...})``; range limits and choices sit
 in the same metadata, so ``rollplex train --help-config`` and the validator read one table.
 
@@ -21,6 +21,7 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import math
 import re
 import typing
@@ -338,6 +339,28 @@ class EvalConfig:
 
 
 @dataclass(kw_only=True)
+class LoggingConfig:
+    """Where the per-step metrics go besides ``metrics.jsonl`` (observe.sinks; the same rows)."""
+
+    tensorboard: bool = _field(
+        False,
+        "also write the metrics as TensorBoard scalars to run.out_dir/tensorboard (needs the tensorboard "
+        "extra: pip install 'rollplex[tensorboard]')",
+    )
+    wandb: bool = _field(
+        False,
+        "also log the metrics to Weights & Biases, offline into run.out_dir/wandb (upload later with wandb "
+        "sync) unless the environment sets WANDB_MODE (e.g. online); needs the wandb extra: pip install "
+        "'rollplex[wandb]'",
+    )
+    wandb_project: str = _field("rollplex", "Weights & Biases project of the run (with logging.wandb)")
+
+
+# logging.<field> -> (module it needs, extra that installs it)
+LOGGING_PACKAGES = {"tensorboard": ("tensorboard", "tensorboard"), "wandb": ("wandb", "wandb")}
+
+
+@dataclass(kw_only=True)
 class Config:
     """The whole run configuration; see each section's fields."""
 
@@ -349,6 +372,7 @@ class Config:
     reward: RewardConfig = field(default_factory=RewardConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
 
 
 class _YamlLoader(yaml.SafeLoader):
@@ -549,6 +573,17 @@ def _check_conflicts(cfg: Config) -> None:
     _check_batching(cfg.rollout, cfg.algo)
     _check_rewards(cfg.reward)
     _check_schedule(cfg)
+    _check_logging_packages(cfg.logging)
+
+
+def _check_logging_packages(cfg: LoggingConfig) -> None:
+    """A metric sink that is turned on needs its package installed (found without importing it)."""
+    for name, (module, extra) in LOGGING_PACKAGES.items():
+        if getattr(cfg, name) and importlib.util.find_spec(module) is None:
+            raise ConfigError(
+                f"logging.{name}=true needs the {module} package, which is not installed: "
+                f"pip install 'rollplex[{extra}]' (or set logging.{name}=false)"
+            )
 
 
 def _check_schedule(cfg) -> None:

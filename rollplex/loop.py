@@ -29,6 +29,7 @@ from rollplex.checkpoint import (
 )
 from rollplex.config import (
     Config,
+    config_to_dict,
     data_root,
     ignored_fields,
     resolve_device,
@@ -48,12 +49,12 @@ from rollplex.models.positions import VisionTokens
 from rollplex.observe.metrics import (
     TRACE_FILE,
     GcClock,
-    MetricsWriter,
     PhaseTimer,
     ProgressBar,
     read_chrome_trace,
     write_chrome_trace,
 )
+from rollplex.observe.sinks import MetricSinks
 from rollplex.optim import MasterWeightAdamW, learning_rate
 from rollplex.phases import ActorStats, Roles, rollout_phase, uses_temporal
 from rollplex.rollout.engine import SamplingParams
@@ -429,7 +430,7 @@ def train(cfg: Config, resume: bool = False, overwrite: bool = False) -> Path:
     run.run_dir.mkdir(parents=True, exist_ok=True)
     save_config(cfg, run.run_dir / "config.yaml")
     resume_step = step if resume else None  # metrics and trace spans after it are replaced
-    metrics = MetricsWriter(run.run_dir, resume_step=resume_step)
+    metrics = MetricSinks.open(run.run_dir, cfg.logging, config_to_dict(cfg), resume_step=resume_step)
     trace_path = run.run_dir / TRACE_FILE
     earlier_trace = read_chrome_trace(trace_path) if resume else None
     first_eval = {} if resume else _maybe_eval(run, step, force=True)
@@ -438,7 +439,8 @@ def train(cfg: Config, resume: bool = False, overwrite: bool = False) -> Path:
     timer = PhaseTimer(sync=torch.cuda.synchronize if run.device.type == "cuda" else None)
     record: dict = {}
     bar = ProgressBar(total=cfg.run.steps, initial=step, enabled=cfg.run.progress)
-    with bar, GcClock() as gc_clock:  # warnings print above the bar; GcClock: see step_done
+    # sinks closed and warnings no longer routed above the bar on leaving; GcClock: see step_done
+    with metrics, bar, GcClock() as gc_clock:
         while step < cfg.run.steps:
             timer.step = step + 1  # the trace's spans carry the step metrics.jsonl numbers them by
             record = _train_step(run, step, timer, gc_clock)

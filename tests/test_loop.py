@@ -8,9 +8,11 @@ import gc
 import itertools
 import json
 import logging
+import math
 import shutil
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from safetensors.torch import load_file
@@ -159,6 +161,29 @@ def test_run_artefacts(assets, tmp_path):
     Qwen2_5_VLForConditionalGeneration.from_pretrained(latest)
     AutoProcessor.from_pretrained(latest)
     check_model_folder(latest)  # a checkpoint can start another run
+
+
+def test_tensorboard_gets_every_row_of_metrics_jsonl(assets, tmp_path):
+    """logging.tensorboard: the run's TensorBoard scalars are its metrics.jsonl rows, key by key
+    (values as float32, a null row value as NaN)."""
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    run = train(_config(assets, tmp_path / "run", 2, **{"logging.tensorboard": "true"}))
+    events = EventAccumulator(str(run / "tensorboard"), size_guidance={"scalars": 0})
+    events.Reload()
+    written = {tag: [(e.step, e.value) for e in events.Scalars(tag)] for tag in events.Tags()["scalars"]}
+    rows = _metrics(run)
+    expected: dict[str, list] = {}
+    for row in rows:
+        for key, value in row.items():
+            if key != "step":
+                value = float(np.float32(value)) if value is not None else math.nan
+                expected.setdefault(key, []).append((row["step"], value))
+    assert written.keys() == expected.keys() and len(rows) == 3  # step 0's evaluation, steps 1 and 2
+    for key, pairs in expected.items():
+        assert [step for step, _ in written[key]] == [step for step, _ in pairs], key
+        np.testing.assert_array_equal([v for _, v in written[key]], [v for _, v in pairs], err_msg=key)
 
 
 def test_step_memory_gives_the_peak_and_what_stays_allocated_in_gib(monkeypatch):

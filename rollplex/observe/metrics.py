@@ -138,6 +138,9 @@ class MetricsWriter:
         with open(self.path, "a") as f:
             f.write(json.dumps(row, allow_nan=False) + "\n")
 
+    def close(self) -> None:
+        """Nothing to release: each line was written with the file opened and closed."""
+
 
 @dataclass(frozen=True)
 class Span:
