@@ -1,9 +1,9 @@
 """Typed run configuration: declared once, validated at load.
 
-A ``Config`` has nine sections (``run``, ``schedule``, ``model``, ``data``, ``rollout``, ``algo``,
-``reward``, ``optim``, ``eval``), each a keyword-only dataclass. Every field has a default and a one-line
-description with units in ``dataclasses.field(metadata={"help": ...})``; range limits and choices sit
-in the same metadata, so ``rollplex train --help-config`` and the validator read one table.
+A ``Config`` has ten sections (``run``, ``schedule``, ``model``, ``data``, ``rollout``, ``algo``,
+``reward``, ``optim``, ``eval``, ``logging``), each a keyword-only dataclass. Every field has a default
+and a one-line description with units in ``dataclasses.field(metadata={"help": ...})``; range limits and
+choices sit in the same metadata, so ``rollplex train --help-config`` and the validator read one table.
 
 Load order (later wins): dataclass defaults → ``base`` (a nested dict, e.g. the embedded default run)
 → the YAML file → ``key=value`` overrides with dotted keys (``rollout.group_size=4``, values parsed as
@@ -22,6 +22,7 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import math
 import re
 import typing
@@ -176,7 +177,7 @@ class ModelConfig:
     compile_scope: str = _field(
         "layer",
         "what one compiled function covers with compile_layers: layer (a whole decoder layer or vision "
-        "block, two graphs around its attention call) or parts (its norms, attention module and MLP apart, "
+        "block, a few graphs around its attention call) or parts (its norms, attention module and MLP apart, "
         "five graphs; more host work per layer)",
         choices=COMPILE_SCOPES,
     )
@@ -366,6 +367,28 @@ class EvalConfig:
 
 
 @dataclass(kw_only=True)
+class LoggingConfig:
+    """Where the per-step metrics go besides ``metrics.jsonl`` (observe.sinks; the same rows)."""
+
+    tensorboard: bool = _field(
+        False,
+        "also write the metrics as TensorBoard scalars to run.out_dir/tensorboard (needs the tensorboard "
+        "extra: pip install 'rollplex[tensorboard]')",
+    )
+    wandb: bool = _field(
+        False,
+        "also log the metrics to Weights & Biases, offline into run.out_dir/wandb (upload later with wandb "
+        "sync) unless the environment sets WANDB_MODE (e.g. online); needs the wandb extra: pip install "
+        "'rollplex[wandb]'",
+    )
+    wandb_project: str = _field("rollplex", "Weights & Biases project of the run (with logging.wandb)")
+
+
+# logging.<field> -> (module it needs, extra that installs it)
+LOGGING_PACKAGES = {"tensorboard": ("tensorboard", "tensorboard"), "wandb": ("wandb", "wandb")}
+
+
+@dataclass(kw_only=True)
 class Config:
     """The whole run configuration; see each section's fields."""
 
@@ -378,6 +401,7 @@ class Config:
     reward: RewardConfig = field(default_factory=RewardConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
 
 
 class _YamlLoader(yaml.SafeLoader):
@@ -589,6 +613,17 @@ def _check_conflicts(cfg: Config) -> None:
     _check_rewards(cfg.reward)
     _check_schedule(cfg)
     cascade_kernel_names(cfg.model.cascade_kernels)
+    _check_logging_packages(cfg.logging)
+
+
+def _check_logging_packages(cfg: LoggingConfig) -> None:
+    """A metric sink that is turned on needs its package installed (found without importing it)."""
+    for name, (module, extra) in LOGGING_PACKAGES.items():
+        if getattr(cfg, name) and importlib.util.find_spec(module) is None:
+            raise ConfigError(
+                f"logging.{name}=true needs the {module} package, which is not installed: "
+                f"pip install 'rollplex[{extra}]' (or set logging.{name}=false)"
+            )
 
 
 def _check_schedule(cfg: Config) -> None:

@@ -28,6 +28,7 @@ from rollplex.checkpoint import (
 )
 from rollplex.config import (
     Config,
+    config_to_dict,
     data_root,
     ignored_fields,
     resolve_device,
@@ -41,17 +42,18 @@ from rollplex.data.records import load_records
 from rollplex.data.vision import ImageSampling, VideoSampling
 from rollplex.determinism import use_deterministic_algorithms
 from rollplex.models.compiled import compile_fallback, compiles_layers
+from rollplex.models.folder import check_model_folder
 from rollplex.models.forward import enable_checkpointing, prepare_model, suffix_backend
 from rollplex.models.positions import VisionTokens
 from rollplex.observe.metrics import (
     TRACE_FILE,
     GcClock,
-    MetricsWriter,
     PhaseTimer,
     ProgressBar,
     read_chrome_trace,
     write_chrome_trace,
 )
+from rollplex.observe.sinks import MetricSinks
 from rollplex.optim import MasterWeightAdamW, learning_rate
 from rollplex.phases import ActorStats, Roles, rollout_phase, uses_temporal
 from rollplex.rollout.engine import SamplingParams
@@ -383,6 +385,7 @@ def train(cfg: Config, resume: bool = False, overwrite: bool = False) -> Path:
     _quiet_library_progress()
     started = time.perf_counter()
     validate_for_training(cfg)  # once per run, before --overwrite clears anything
+    check_model_folder(cfg.model.path)  # before anything loads from it, and before --overwrite clears
     check_reward_config(cfg.reward)
     backend = _check_suffix_attention(cfg)
     _claim_run_dir(Path(cfg.run.out_dir), resume, overwrite)
@@ -408,16 +411,17 @@ def train(cfg: Config, resume: bool = False, overwrite: bool = False) -> Path:
     run.run_dir.mkdir(parents=True, exist_ok=True)
     save_config(cfg, run.run_dir / "config.yaml")
     resume_step = step if resume else None  # metrics and trace spans after it are replaced
-    metrics = MetricsWriter(run.run_dir, resume_step=resume_step)
+    metrics = MetricSinks.open(run.run_dir, cfg.logging, config_to_dict(cfg), resume_step=resume_step)
     trace_path = run.run_dir / TRACE_FILE
     earlier_trace = read_chrome_trace(trace_path) if resume else None
     first_eval = {} if resume else _maybe_eval(run, step, force=True)
     if first_eval:
         metrics.write({"step": step, **first_eval})
     timer = PhaseTimer(sync=torch.cuda.synchronize if run.device.type == "cuda" else None)
-    bar = ProgressBar(total=cfg.run.steps, initial=step, enabled=cfg.run.progress)
     record: dict = {}
-    with GcClock() as gc_clock:  # times the garbage collector per step; see step_done
+    bar = ProgressBar(total=cfg.run.steps, initial=step, enabled=cfg.run.progress)
+    # sinks closed and warnings no longer routed above the bar on leaving; GcClock: see step_done
+    with metrics, bar, GcClock() as gc_clock:
         while step < cfg.run.steps:
             timer.step = step + 1  # the trace's spans carry the step metrics.jsonl numbers them by
             record = _train_step(run, step, timer, gc_clock)
@@ -444,7 +448,7 @@ def train(cfg: Config, resume: bool = False, overwrite: bool = False) -> Path:
                     )
                 # a killed run keeps its trace
                 write_chrome_trace(timer.spans, trace_path, earlier_trace, resume_step)
-    bar.close()  # the last step always saves a checkpoint, and with it the trace
+    # the last step always saves a checkpoint, and with it the trace
     _summary(run, first_eval, record, time.perf_counter() - started)
     return run.run_dir
 
@@ -563,6 +567,19 @@ def duration_text(seconds: float) -> str:
     return f"{seconds:.0f} s" if seconds < 59.5 else f"{seconds / 60:.1f} min"
 
 
+def _skipped_text(last: dict) -> str:
+    """The samples skipped over the run (``skipped_samples``, and ``val_skipped_samples`` where the run
+    evaluates), both counts once either is not 0, e.g. "samples skipped: 4 training, 0 held-out (each
+    named in a warning above)"; "" where none was."""
+    counts = {"training": last.get("skipped_samples", 0)}
+    if "val_skipped_samples" in last:
+        counts["held-out"] = last["val_skipped_samples"]
+    if not any(counts.values()):
+        return ""
+    text = ", ".join(f"{n} {split}" for split, n in counts.items())
+    return f"samples skipped: {text} (each named in a warning above)"
+
+
 def _summary(run: Run, first: dict, last: dict, seconds: float) -> None:
     parts = [f"run folder {run.run_dir}", f"{duration_text(seconds)} from model load to last save"]
     if "val_accuracy" in first and "val_accuracy" in last:
@@ -571,12 +588,9 @@ def _summary(run: Run, first: dict, last: dict, seconds: float) -> None:
         parts.append(f"held-out accuracy {last['val_accuracy']:.3f}")
     if "chance_accuracy" in last:
         parts.append(f"chance {last['chance_accuracy']:.3f}")
-    skipped = last.get("skipped_samples", 0)  # _train_step's count
+    skipped = _skipped_text(last)
     if skipped:
-        parts.append(f"{skipped} samples skipped")
-    val_skipped = last.get("val_skipped_samples", 0)
-    if val_skipped:
-        parts.append(f"{val_skipped} held-out samples skipped")
+        parts.append(skipped)
     if run.updates_skipped:
         plural = "s" if run.updates_skipped != 1 else ""
         parts.append(f"{run.updates_skipped} update{plural} skipped (gradient norm not finite)")

@@ -86,6 +86,7 @@ SPEC_DEFAULTS = {
         "warmup_steps": 0,
     },
     "eval": {"every": 0, "num_prompts": 64, "temperature": 0.0},
+    "logging": {"tensorboard": False, "wandb": False, "wandb_project": "rollplex"},
 }  # fmt: skip
 
 
@@ -258,6 +259,7 @@ def test_save_then_load_round_trip(tmp_path):
         "reward",
         "optim",
         "eval",
+        "logging",
     ]
 
 

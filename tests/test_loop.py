@@ -8,9 +8,11 @@ import gc
 import itertools
 import json
 import logging
+import math
 import shutil
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from safetensors.torch import load_file
@@ -21,6 +23,7 @@ from rollplex.data.synth import generate_dataset
 from rollplex.loop import build_run, duration_text, step_memory, train
 from rollplex.models.attention import SuffixAttention
 from rollplex.models.compiled import compiled_scope, layers_compiled
+from rollplex.models.folder import check_model_folder
 from rollplex.models.presets import init_checkpoint
 
 
@@ -158,6 +161,30 @@ def test_run_artefacts(assets, tmp_path):
     latest = run / "checkpoints" / (run / "checkpoints" / "latest").read_text().strip() / "hf"
     Qwen2_5_VLForConditionalGeneration.from_pretrained(latest)
     AutoProcessor.from_pretrained(latest)
+    check_model_folder(latest)  # a checkpoint can start another run
+
+
+def test_tensorboard_gets_every_row_of_metrics_jsonl(assets, tmp_path):
+    """logging.tensorboard: the run's TensorBoard scalars are its metrics.jsonl rows, key by key
+    (values as float32, a null row value as NaN)."""
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    run = train(_config(assets, tmp_path / "run", 2, **{"logging.tensorboard": "true"}))
+    events = EventAccumulator(str(run / "tensorboard"), size_guidance={"scalars": 0})
+    events.Reload()
+    written = {tag: [(e.step, e.value) for e in events.Scalars(tag)] for tag in events.Tags()["scalars"]}
+    rows = _metrics(run)
+    expected: dict[str, list] = {}
+    for row in rows:
+        for key, value in row.items():
+            if key != "step":
+                value = float(np.float32(value)) if value is not None else math.nan
+                expected.setdefault(key, []).append((row["step"], value))
+    assert written.keys() == expected.keys() and len(rows) == 3  # step 0's evaluation, steps 1 and 2
+    for key, pairs in expected.items():
+        assert [step for step, _ in written[key]] == [step for step, _ in pairs], key
+        np.testing.assert_array_equal([v for _, v in written[key]], [v for _, v in pairs], err_msg=key)
 
 
 def test_step_memory_gives_the_peak_and_what_stays_allocated_in_gib(monkeypatch):
@@ -207,7 +234,7 @@ def test_bad_samples_are_skipped_and_counted(assets, tmp_path, caplog):
             "data.shuffle": False,  # the three bad records are the first drawn
         },
     )
-    with caplog.at_level(logging.WARNING):
+    with caplog.at_level(logging.INFO):
         run = train(cfg)
     assert _metrics(run)[-1]["skipped_samples"] == 4  # three when drawn, the malformed one at load
     assert [r["val_skipped_samples"] for r in _metrics(run) if "val_accuracy" in r] == [2, 2]
@@ -218,6 +245,8 @@ def test_bad_samples_are_skipped_and_counted(assets, tmp_path, caplog):
     assert (
         sum("9004" in x for x in lines) == 1 and sum("9006" in x for x in lines) == 1
     )  # malformed: named once
+    done = [x for x in lines if "done: " in x]
+    assert len(done) == 1 and "samples skipped: 4 training, 2 held-out" in done[0], done
 
 
 def test_nothing_usable_stops_with_a_clear_error(assets, tmp_path):
@@ -256,6 +285,19 @@ def test_existing_run_folder_is_never_overwritten_by_accident(assets, tmp_path):
     assert (run / "metrics.jsonl").read_text() == before
     train(cfg, overwrite=True)
     assert [row["step"] for row in _metrics(run)] == [1]
+
+
+def test_a_model_folder_of_another_architecture_stops_the_run_before_it_loads(assets, tmp_path, monkeypatch):
+    model, data = assets
+    llama = shutil.copytree(model, tmp_path / "llama")
+    config = json.loads((llama / "config.json").read_text())
+    (llama / "config.json").write_text(json.dumps({**config, "model_type": "llama"}))
+    loaded = []
+    monkeypatch.setattr("transformers.AutoProcessor.from_pretrained", lambda *a, **k: loaded.append(a))
+    cfg = _config((llama, data), tmp_path / "run", 1)
+    with pytest.raises(ValueError, match=r"model_type 'llama'.*Qwen2\.5-VL models \(model_type qwen2_5_vl\)"):
+        train(cfg)
+    assert not loaded and not (tmp_path / "run").exists()
 
 
 def test_a_suffix_attention_that_cannot_run_stops_the_run_before_it_writes(assets, tmp_path):

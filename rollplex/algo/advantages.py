@@ -27,6 +27,10 @@ def group_advantages(
     ``torch.std`` as in Video-R1 and TRL. A group whose rewards are all exactly equal gets advantages of
     exactly 0.0 (not a rounding residue of r - mean) and is counted; with N = 1 every group counts.
 
+    The mean, centred rewards and std are computed in float64 and the advantages rounded once to the
+    rewards' dtype: in float32 the rounded mean of a nearly flat group (seven rewards of 0.35 and one a
+    float32 ulp above) lies below the seven, and all eight advantages came out positive.
+
     Example: rewards [1, 0, 0, 1, 1, 1], group_size 3
         normalize_std=False -> ([2/3, -1/3, -1/3, 0, 0, 0], 1)
         normalize_std=True  -> ([1.1547, -0.5774, -0.5774, 0, 0, 0], 1)   (std of [1, 0, 0] = sqrt(1/3))
@@ -45,13 +49,13 @@ def group_advantages(
             or ``eps`` not > 0.
     """
     _check(rewards, group_size, eps)
-    r_GN = rewards.view(-1, group_size)
+    r_GN = rewards.view(-1, group_size).double()
     flat_G = (r_GN == r_GN[:, :1]).all(dim=1)
     centred_GN = r_GN - r_GN.mean(dim=1, keepdim=True)
     if normalize_std and group_size > 1:
         centred_GN = centred_GN / (r_GN.std(dim=1, keepdim=True) + eps)
     adv_GN = torch.where(flat_G[:, None], torch.zeros_like(centred_GN), centred_GN)
-    return adv_GN.reshape(-1), int(flat_G.sum())
+    return adv_GN.reshape(-1).to(rewards.dtype), int(flat_G.sum())
 
 
 def _check(rewards: torch.Tensor, group_size: int, eps: float) -> None:

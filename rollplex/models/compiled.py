@@ -13,15 +13,17 @@ shared by every layer): with scope ``layer`` (the default), each decoder layer's
 forward; with scope ``parts``, in each decoder layer ``input_layernorm``, ``self_attn``,
 ``post_attention_layernorm`` and ``mlp``, and in each vision block ``norm1``, ``attn``, ``norm2`` and
 ``mlp``. The attention functions themselves (``models.attention``: plans with Python state, chunk
-plans read back to the host) stay opaque to torch.compile, so a layer compiles as two graphs, before
-and after the attention call (four where torch lacks ``nested_graph_breaks``; scope ``parts``: five,
-plus the residual adds run eagerly). Embeddings, the LM head and the decode step (compiled separately,
-rollout.decode) are untouched.
+plans read back to the host) stay opaque to torch.compile, so a layer compiles as a few graphs around
+the attention call: two where torch's ``nested_graph_breaks`` resumes tracing inside the attention
+module, four where the break reaches the layer's frame (torch without that option, and with it for
+the text layers on torch 2.14 with transformers 5.25); scope ``parts``: five, plus the residual adds
+run eagerly. The count is torch's choice; the tests hold that it does not grow with calls or layers.
+Embeddings, the LM head and the decode step (compiled separately, rollout.decode) are untouched.
 
 Why ``layer`` is the default: the prefix passes and the vision backward of the benchmark workload are
 bound by the host's pace of launching work, not the device (benchmarks/README.md), and
 every compiled graph costs the host its own wrapper, guards and autograd node in forward,
-recomputation and backward. Two graphs per layer instead of five, and the residual adds fused, cut
+recomputation and backward. Two to four graphs per layer instead of five, and the residual adds fused, cut
 that cost.
 
 Newer transformers releases checkpoint a layer inside its class ``forward``; there the layer's own
@@ -58,8 +60,8 @@ _MARK = "_rollplex_compiled"  # on a module: the compiled function its instance 
 _TEXT_PARTS = ("input_layernorm", "self_attn", "post_attention_layernorm", "mlp")
 _VISION_PARTS = ("norm1", "attn", "norm2", "mlp")
 # The attention call breaks the graph inside the attention module, a frame nested in the layer's. With
-# torch's ``nested_graph_breaks`` (in recent releases) tracing resumes inside that frame: two graphs per layer.
-# Without it the break reaches the layer's frame, and the attention module's frame compiles apart: four.
+# torch's ``nested_graph_breaks`` (in recent releases) tracing can resume inside that frame: two graphs per
+# layer. Where the break reaches the layer's frame, the attention module's frame compiles apart: four.
 NESTED_GRAPH_BREAKS = hasattr(torch._dynamo.config, "nested_graph_breaks")
 # Cache entries per compiled function, one per variant of its inputs, e.g. under ``parts`` for the
 # RMSNorm: rank 2 (vision) or 3 (text) × batch 1 or more × grad mode and inputs requiring grad × prefix
@@ -267,8 +269,8 @@ def set_layer_compilation(model, on: bool, backend: str | Callable = "inductor",
             ``forward`` of another origin is left as it is).
         backend: torch.compile backend: ``inductor`` (fused kernels), ``aot_eager`` (traced, run by
             the eager kernels; for tests) or a backend callable.
-        scope: ``layer`` (two graphs per layer, around its attention call) or ``parts`` (five, the
-            residual adds eager); checked, but otherwise unused, when turning it off.
+        scope: ``layer`` (a few graphs per layer, around its attention call) or ``parts`` (five,
+            the residual adds eager); checked, but otherwise unused, when turning it off.
 
     Raises:
         ValueError: ``model`` is not a Qwen2.5-VL model, an unknown ``scope``, or, turning it on, a

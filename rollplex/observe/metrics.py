@@ -45,6 +45,7 @@ from pathlib import Path
 from typing import IO
 
 from tqdm import tqdm
+from tqdm.contrib.logging import logging_redirect_tqdm
 
 from rollplex import hooks
 from rollplex.types import StepStats
@@ -136,6 +137,9 @@ class MetricsWriter:
         row = {k: v if k == "step" else _json_value(v) for k, v in stats.items()}
         with open(self.path, "a") as f:
             f.write(json.dumps(row, allow_nan=False) + "\n")
+
+    def close(self) -> None:
+        """Nothing to release: each line was written with the file opened and closed."""
 
 
 @dataclass(frozen=True)
@@ -450,6 +454,11 @@ def postfix(step_metrics: Mapping[str, float | None]) -> dict[str, str]:
 class ProgressBar:
     """tqdm bar over optimizer steps with ETA and a short postfix (reward, acc, s/step).
 
+    While the bar is shown, log records that the root logger's console handlers (stderr, stdout) would
+    print are written on their own lines above it (``tqdm.contrib.logging.logging_redirect_tqdm``: the
+    bar is cleared, the line written, the bar drawn again), so a warning such as a skipped sample is not
+    appended to the bar's line. ``close`` (or leaving a ``with`` block) puts the handlers back.
+
     Args:
         total: steps of the whole run. initial: steps already done (resume). enabled: False shows nothing.
         file: stream to draw on (tqdm default: stderr).
@@ -459,6 +468,15 @@ class ProgressBar:
         self._bar = tqdm(
             total=total, initial=initial, disable=not enabled, unit="step", dynamic_ncols=True, file=file
         )
+        self._redirect = contextlib.ExitStack()
+        if enabled:
+            self._redirect.enter_context(logging_redirect_tqdm(tqdm_class=tqdm))
+
+    def __enter__(self) -> ProgressBar:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     def update(self, step_metrics: Mapping[str, float | None]) -> None:
         """Advance one step and show its postfix fields."""
@@ -467,3 +485,4 @@ class ProgressBar:
 
     def close(self) -> None:
         self._bar.close()
+        self._redirect.close()

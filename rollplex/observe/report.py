@@ -11,7 +11,9 @@ Figures written to ``run_dir/report/`` (a figure whose keys are all missing is n
   (``phase1``), so the bars never count overlapped time twice.
 - ``eq1.png``: the paper's Eq. 1 terms per step (``eq1/*``: T_D, T_P, decode as run = T_D + ΔD,
   saving S and the bound min(T_D, T_P); schedule.eq1 defines them).
-- ``training.png``: one panel per diagnostic present (loss, kl, clip_fraction, entropy, ...).
+- ``training.png``: one panel per diagnostic present (``DIAGNOSTICS``: loss, kl, clip_fraction, entropy,
+  step time, ...), each with its quantity and unit on the y axis; loss and KL with a line at 0, the step
+  time with its median, and a flat series with its value written in the panel.
 
 Matplotlib is used through ``Figure`` objects and its Agg canvas, without pyplot's global state.
 """
@@ -19,7 +21,9 @@ Matplotlib is used through ``Figure`` objects and its Agg canvas, without pyplot
 from __future__ import annotations
 
 import json
+import statistics
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 from matplotlib.figure import Figure
@@ -29,21 +33,44 @@ from matplotlib.ticker import MaxNLocator
 from rollplex.observe.metrics import TRACE_FILE, read_metrics
 
 REPORT_DIR = "report"
+
+
+@dataclass(frozen=True)
+class Panel:
+    """One panel of ``training.png``: the ``metrics.jsonl`` key it draws, its title (what the quantity
+    is, and where it helps, what a healthy run shows), its y-axis label (quantity and unit), the unit
+    written after a value in the panel, whether it draws a line at 0 (``zero_line``: quantities read by
+    their sign or their distance from 0) and its median (``median``: a line and its value)."""
+
+    key: str
+    title: str
+    ylabel: str
+    unit: str = ""
+    zero_line: bool = False
+    median: bool = False
+
+    def value_text(self, value: float) -> str:
+        return f"{value:.3g} {self.unit}".rstrip()
+
+
 DIAGNOSTICS = (
-    ("loss", "loss"),
-    ("kl", "KL to reference"),
-    ("clip_fraction", "clip fraction"),
-    ("entropy", "entropy (nats/token)"),
-    ("response_length", "response length (tokens)"),
-    ("format_rate", "format rate"),
-    ("grad_norm", "grad norm"),
-    ("zero_variance_groups", "zero-variance groups"),
-    ("skipped_samples", "skipped samples"),
-    ("peak_memory_gib", "peak memory (GiB)"),
-    ("memory_allocated_gib", "allocated after the step (GiB)"),
-    ("gc_s", "garbage collector in the step (s)"),
-    ("lr", "learning rate"),
-    ("logprob_diff_max", "max |rollout - trainer log-prob|"),
+    Panel("loss", "Policy loss (surrogate + KL term)", "loss (no unit)", zero_line=True),
+    Panel("kl", "KL to the reference (0 at the start)", "KL (nats per token)", "nats/token", zero_line=True),
+    Panel("clip_fraction", "Tokens clipped by the PPO ratio", "fraction of tokens"),
+    Panel("entropy", "Policy entropy", "entropy (nats per token)", "nats/token"),
+    Panel("time/step", "Step time", "seconds per step", "s", median=True),
+    Panel("response_length", "Response length", "tokens (mean per response)", "tokens"),
+    Panel("format_rate", "Responses in the answer format", "fraction of responses"),
+    Panel("grad_norm", "Gradient norm before clipping", "L2 norm"),
+    Panel("zero_variance_groups", "Groups with equal rewards (no signal)", "groups per step"),
+    Panel("skipped_samples", "Samples skipped so far (0: all usable)", "samples"),
+    Panel("peak_memory_gib", "Peak device memory in the step", "GiB", "GiB"),
+    Panel("memory_allocated_gib", "Allocated after the step (flat: no leak)", "GiB", "GiB"),
+    Panel("gc_s", "Garbage collector in the step", "seconds", "s"),
+    Panel("lr", "Learning rate", "learning rate"),
+    Panel(
+        "logprob_diff_max", "Rollout vs trainer log-prob (0: they agree)", "max |difference| (nats)", "nats"
+    ),
 )
 
 
@@ -262,18 +289,51 @@ def step_time_figure(rows: Sequence[dict]) -> Figure | None:
 
 
 def diagnostics_figure(rows: Sequence[dict]) -> Figure | None:
-    """One panel per present ``DIAGNOSTICS`` key, 3 columns (4.5×3.2 in each); None when none is present."""
-    present = [(key, title) for key, title in DIAGNOSTICS if series(rows, key)[0]]
+    """One panel per present ``DIAGNOSTICS`` key, 3 columns (4.5×3.2 in each); None when none is present.
+    Every panel names its quantity and unit on the y axis; a flat series (one value throughout) has the
+    value written in the panel (``gid`` ``flat``), since its axis then only brackets it."""
+    present = [panel for panel in DIAGNOSTICS if series(rows, panel.key)[0]]
     if not present:
         return None
     cols = min(3, len(present))
     nrows = -(-len(present) // cols)
     fig = Figure(figsize=(4.5 * cols, 3.2 * nrows))
-    for i, (key, title) in enumerate(present):
+    for i, panel in enumerate(present):
         ax = fig.add_subplot(nrows, cols, i + 1)
-        ax.plot(*series(rows, key))
-        _step_axis(ax, title=title)
+        _draw_panel(ax, panel, *series(rows, panel.key))
     return fig
+
+
+def _draw_panel(ax, panel: Panel, steps: list[int], values: list[float]) -> None:
+    ax.plot(steps, values)
+    _step_axis(ax, title=panel.title, ylabel=panel.ylabel)
+    ax.ticklabel_format(axis="y", useOffset=False)  # a near-flat series keeps its own numbers on the axis
+    if panel.zero_line:
+        ax.axhline(0.0, color="black", linewidth=0.8, gid="zero")
+    if panel.median:
+        middle = statistics.median(values)
+        ax.axhline(middle, color="gray", linestyle="--", linewidth=1, gid="median")
+        ax.annotate(
+            f"median {panel.value_text(middle)}",
+            (0.98, middle),
+            xycoords=("axes fraction", "data"),
+            ha="right",
+            va="bottom",
+            fontsize=8,
+            bbox={"facecolor": "white", "edgecolor": "none", "alpha": 0.8, "pad": 1},
+            gid="median",
+        )
+    if min(values) == max(values):
+        ax.text(
+            0.5,
+            0.6,
+            f"{panel.value_text(values[0])} throughout",
+            transform=ax.transAxes,
+            ha="center",
+            fontsize=9,
+            bbox={"facecolor": "white", "edgecolor": "0.7"},
+            gid="flat",
+        )
 
 
 def timeline_figure(trace: dict, last_seconds: float = 30.0) -> Figure | None:

@@ -2,7 +2,10 @@
 
 import math
 import statistics
+from decimal import Decimal, localcontext
+from fractions import Fraction
 
+import numpy as np
 import pytest
 import torch
 
@@ -92,3 +95,39 @@ def test_groups_are_contiguous_rows():
 def test_bad_inputs_raise(rewards, group_size, eps, field):
     with pytest.raises(ValueError, match=field):
         group_advantages(rewards, group_size, normalize_std=True, eps=eps)
+
+
+def _exact_group(rewards: list[float], eps: float) -> tuple[Fraction, list[Fraction], Decimal, list[Decimal]]:
+    """Exact mean and centred rewards (Fraction), std with ddof 1 and advantages to 40 digits (Decimal)."""
+    r = [Fraction(x) for x in rewards]
+    mean = sum(r) / len(r)
+    centred = [x - mean for x in r]
+    variance = sum(c * c for c in centred) / (len(r) - 1)
+    with localcontext() as ctx:
+        ctx.prec = 40
+        std = (Decimal(variance.numerator) / Decimal(variance.denominator)).sqrt()
+        scale = std + Decimal(eps)
+        adv = [Decimal(c.numerator) / Decimal(c.denominator) / scale for c in centred]
+    return mean, centred, std, adv
+
+
+def test_nearly_flat_group_against_exact_arithmetic():
+    """Seven rewards of 0.35 and one a float32 ulp above: the float32 mean rounds below the seven, and
+    float32 statistics gave all eight a positive advantage (+0.0287 and +0.0575)."""
+    seven = np.float32(0.35)
+    rewards = torch.tensor([seven] * 7 + [np.nextafter(seven, np.float32(1))], dtype=torch.float32)
+    assert float(rewards.mean()) < float(seven)  # the float32 rounding the fix avoids
+    values = [float(x) for x in rewards.tolist()]
+    mean, centred, std, exact = _exact_group(values, eps=1e-6)
+    r64 = torch.tensor(values, dtype=torch.float64)
+    assert float(r64.mean()) == mean  # float64 holds the mean of eight float32 values exactly
+    assert [Fraction(float(c)) for c in r64 - r64.mean()] == centred
+    assert float(r64.std()) == pytest.approx(float(std), rel=1e-15)
+    adv, flat = group_advantages(rewards, 8, normalize_std=True, eps=1e-6)
+    assert flat == 0
+    assert [float(a) for a in exact] == pytest.approx([-0.0037] * 7 + [0.0258], abs=1e-4)
+    assert adv.tolist() == pytest.approx([float(a) for a in exact], rel=1e-6)
+    assert all((a < 0) == (c < 0) for a, c in zip(adv.tolist(), centred))
+    adv, _ = group_advantages(rewards, 8, normalize_std=False)
+    assert adv.tolist() == pytest.approx([float(c) for c in centred], rel=1e-6)
+    assert (adv[:7] < 0).all() and adv[7] > 0

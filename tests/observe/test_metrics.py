@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import io
 import json
+import logging
+import sys
 import weakref
 
 import pytest
 
+from rollplex.observe import metrics as metrics_module
 from rollplex.observe.metrics import (
     GcClock,
     MetricsWriter,
@@ -190,6 +194,47 @@ def test_progress_bar_shows_position_and_postfix():
     bar.update({"reward_mean": 0.5})
     bar.close()
     assert quiet.getvalue() == ""
+
+
+def _screen(text: str) -> list[str]:
+    """The lines a terminal shows for ``text``: ``\\r`` returns to the line's start, later characters
+    overwrite earlier ones, ``\\n`` starts a new line."""
+    lines, line, col = [], [], 0
+    for char in text:
+        if char == "\n":
+            lines.append("".join(line).rstrip())
+            line, col = [], 0
+        elif char == "\r":
+            col = 0
+        else:
+            line[col : col + 1] = [char]
+            col += 1
+    return [*lines, "".join(line).rstrip()]
+
+
+@pytest.mark.parametrize("redirected", [True, False])
+def test_a_warning_is_its_own_line_above_the_bar(monkeypatch, redirected):
+    """A warning logged between two steps (a skipped sample) shows on a line of its own, with the bar
+    drawn again below it; without the bar's redirection (``redirected`` False, what the loop did
+    before) the same warning is appended to the bar's line, and the test's check sees it."""
+    stderr = io.StringIO()
+    monkeypatch.setattr(sys, "stderr", stderr)
+    handler = logging.StreamHandler(sys.stderr)  # what logging.basicConfig installs
+    root = logging.getLogger()
+    monkeypatch.setattr(root, "handlers", [handler])
+    monkeypatch.setattr(root, "level", logging.INFO)
+    if not redirected:
+        monkeypatch.setattr(metrics_module, "logging_redirect_tqdm", lambda **_: contextlib.nullcontext())
+    warning = "skipping problem_id 7 (clip.mp4): cannot decode"
+    with ProgressBar(total=3) as bar:
+        bar.update({"reward_mean": 0.5})
+        logging.getLogger("rollplex").warning(warning)
+        bar.update({"reward_mean": 0.5})
+    assert root.handlers == [handler]  # put back
+    shown = _screen(stderr.getvalue())
+    assert (warning in shown) == redirected, shown
+    if redirected:
+        assert "2/3" in shown[shown.index(warning) + 1]  # the bar, below it
 
 
 def test_a_resumed_trace_continues_the_earlier_one(tmp_path, caplog):

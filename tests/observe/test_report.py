@@ -9,8 +9,10 @@ from PIL import Image
 
 from rollplex.observe.metrics import MetricsWriter
 from rollplex.observe.report import (
+    DIAGNOSTICS,
     accuracy_figure,
     bench_report,
+    diagnostics_figure,
     eq1_figure,
     keys_with_prefix,
     make_report,
@@ -280,3 +282,56 @@ def test_a_phase_has_one_colour_in_every_figure():
     span_colours = [tuple(c.get_facecolor()[0]) for c in spans]
     assert bar_colours["actor"] == to_rgba(phase_colour("actor")) == span_colours[0]
     assert span_colours[1] == to_rgba(phase_colour("rollout")) != span_colours[0]
+
+
+def _panels(rows) -> dict:
+    return {ax.get_title(): ax for ax in diagnostics_figure(rows).axes}
+
+
+def _by_gid(artists, gid: str) -> list:
+    return [a for a in artists if a.get_gid() == gid]
+
+
+def test_every_training_panel_names_its_quantity_and_unit():
+    panels = _panels(_synthetic_rows())
+    assert len(panels) == 5  # loss, kl, clip_fraction, entropy, step time
+    for title, ax in panels.items():
+        assert ax.get_xlabel() == "step", title
+        assert ax.get_ylabel(), title
+    by_key = {panel.key: panel for panel in DIAGNOSTICS}
+    assert panels[by_key["kl"].title].get_ylabel() == "KL (nats per token)"
+    assert panels[by_key["time/step"].title].get_ylabel() == "seconds per step"
+    assert all(panel.ylabel and panel.title for panel in DIAGNOSTICS)
+
+
+def test_loss_and_kl_panels_draw_a_zero_line():
+    panels = _panels(_synthetic_rows())
+    titles = {panel.key: panel.title for panel in DIAGNOSTICS}
+    for key in ("loss", "kl"):
+        (zero,) = _by_gid(panels[titles[key]].get_lines(), "zero")
+        assert set(zero.get_ydata()) == {0.0}
+        low, high = panels[titles[key]].get_ylim()
+        assert low <= 0.0 <= high  # in view, although every loss here is above 0.08
+    for key in ("clip_fraction", "entropy", "time/step"):
+        assert not _by_gid(panels[titles[key]].get_lines(), "zero"), key
+
+
+def test_a_flat_series_has_its_value_written_and_a_varying_one_not():
+    panels = _panels(_synthetic_rows())
+    titles = {panel.key: panel.title for panel in DIAGNOSTICS}
+    (entropy,) = _by_gid(panels[titles["entropy"]].texts, "flat")
+    assert entropy.get_text() == "2 nats/token throughout"
+    (clipped,) = _by_gid(panels[titles["clip_fraction"]].texts, "flat")
+    assert clipped.get_text() == "0 throughout"
+    assert not _by_gid(panels[titles["loss"]].texts, "flat")
+    assert not _by_gid(panels[titles["kl"]].texts, "flat")
+
+
+def test_the_step_time_panel_shows_its_median():
+    rows = [{"step": s, "time/step": t} for s, t in enumerate([1.0, 9.0, 2.0, 3.0, 2.5], start=1)]
+    (ax,) = diagnostics_figure(rows).axes
+    (line,) = _by_gid(ax.get_lines(), "median")
+    assert set(line.get_ydata()) == {2.5}
+    (label,) = _by_gid(ax.texts, "median")
+    assert label.get_text() == "median 2.5 s"
+    assert not _by_gid(ax.texts, "flat")
