@@ -149,15 +149,18 @@ class _Workload:
         return Roles(self.actor, self.reference, optimizer, self.tokenizer, sampling, generator, config)
 
 
-def default_row(name: str, device: torch.device) -> tuple[_Workload, Roles, Callable]:
-    """The default workload on ``device``, with row ``name``'s roles and step function (for scripts that
-    probe one row). The row's environment (``ROW_ENV``) is set for the rest of the process.
+def default_row(
+    name: str, device: torch.device, cfg: ScheduleBenchConfig | None = None
+) -> tuple[_Workload, Roles, Callable]:
+    """The workload of ``cfg`` (default: the default workload) on ``device``, with row ``name``'s roles
+    and step function (for ``rollplex bench profile`` and scripts that probe one row). The row's
+    environment (``ROW_ENV``) is set for the rest of the process.
 
     Raises:
         KeyError: ``name`` is not a row of ``ROWS``.
     """
     os.environ.update(ROW_ENV.get(name, {}))
-    cfg = ScheduleBenchConfig()
+    cfg = cfg if cfg is not None else ScheduleBenchConfig()
     work = _Workload(cfg, device)
     roles = work.roles(ROWS[name], cfg)
     return work, roles, make_step(roles.config, device)
