@@ -15,6 +15,7 @@ Examples:
     rollplex bench prefix --out results/prefix.json
     rollplex bench schedule --out results/schedule.json
     rollplex bench decode --out results/decode.json
+    rollplex bench profile --out results/profile.json
 """
 
 from __future__ import annotations
@@ -217,6 +218,12 @@ def _bench_decode(args: argparse.Namespace) -> int:
     return _failed_rows(run_decode_bench(DecodeBenchConfig(**options), args.out).rows)
 
 
+def _bench_profile(args: argparse.Namespace) -> None:
+    from rollplex.bench.profile import ProfileBenchConfig, run_profile_bench
+
+    run_profile_bench(ProfileBenchConfig(**_options(args, (*WORKLOAD_FIELDS, "row", "warmup"))), args.out)
+
+
 def _failed_rows(rows: dict) -> int:
     """A benchmark's exit status: 1 where rows failed (one line on stderr names them; their errors were
     printed as they failed), 0 otherwise. A row skipped for a reason it names is not a failure."""
@@ -282,6 +289,7 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
         DECODE_VARIANTS,
         MAIN_ROWS,
         PREFIX_CONFIG_FIELDS,
+        ROWS,
         ROWS_HELP,
     )
     from rollplex.config import COMPILE_MODES, DECODE_ATTENTION
@@ -385,6 +393,17 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
         help="profile this many decode steps (graph replay + sampling) of the last variant (CUDA; kernel table)",
     )
     p.set_defaults(handler=_bench_decode)
+    p = bench.add_parser(
+        "profile", help="one GRPO step under torch.profiler: operators by device time, idle time by launcher"
+    )
+    _add_workload_arguments(p, group_size=2)
+    p.add_argument(
+        "--row", choices=ROWS, metavar="ROW", help="row of rollplex bench schedule (default serial)"
+    )
+    p.add_argument(
+        "--warmup", type=_at_least(0), help="unprofiled steps before the profiled ones (default 2)"
+    )
+    p.set_defaults(handler=_bench_profile)
 
 
 def _add_train(sub: argparse._SubParsersAction) -> None:

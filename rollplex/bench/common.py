@@ -262,8 +262,8 @@ def comma_list_of(choices: tuple[str, ...]) -> Callable[[str], list[str]]:
 def cuda_script_args(
     doc: str, add_arguments: Callable[[argparse.ArgumentParser], None] | None = None
 ) -> argparse.Namespace:
-    """The command line of a script under scripts/ that needs a GPU: ``--help`` prints ``doc`` (the
-    script's docstring) and whatever ``add_arguments`` adds to the parser; returns the parsed
+    """The command line of a script under benchmarks/scripts/ that needs a GPU: ``--help`` prints ``doc``
+    (the script's docstring) and whatever ``add_arguments`` adds to the parser; returns the parsed
     ``argparse.Namespace``.
 
     Raises:

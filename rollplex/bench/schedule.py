@@ -161,14 +161,16 @@ def _items(settings: dict) -> list[str]:
     return [f"{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in settings.items()]
 
 
-def default_row(name: str, device: torch.device) -> tuple[_Workload, Roles, Callable]:
-    """The default workload on ``device``, with row ``name``'s roles and step function (for scripts that
-    probe one row).
+def default_row(
+    name: str, device: torch.device, cfg: ScheduleBenchConfig | None = None
+) -> tuple[_Workload, Roles, Callable]:
+    """The workload of ``cfg`` (default: the default workload) on ``device``, with row ``name``'s roles
+    and step function (for ``rollplex bench profile`` and scripts that probe one row).
 
     Raises:
         KeyError: ``name`` is not a row of ``ROWS``.
     """
-    cfg = ScheduleBenchConfig()
+    cfg = cfg if cfg is not None else ScheduleBenchConfig()
     work = _Workload(cfg, device)
     roles = work.roles(ROWS[name], cfg)
     return work, roles, make_step(roles.config, device)

@@ -10,7 +10,7 @@ runtime call (``cudaLaunchKernel``, ``cudaMemcpyAsync``, ``cuLaunchKernel``, ...
 
 Limits: the profiler links a CPU event to its parent within one thread only, so work launched by
 autograd's backward thread on CUDA (backward, and the checkpointed recompute) shows no rollplex range,
-only its ``autograd::engine::evaluate_function: ...`` operator. Used by scripts/step_profile.py.
+only its ``autograd::engine::evaluate_function: ...`` operator. Used by ``rollplex bench profile``.
 """
 
 from __future__ import annotations

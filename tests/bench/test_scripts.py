@@ -1,8 +1,10 @@
-"""The GPU scripts under scripts/: ``--help`` prints the script's docstring, and without a CUDA device
-each stops at once with a one-line error (exit status 2) instead of a driver traceback."""
+"""The GPU scripts under benchmarks/: ``--help`` prints the script's docstring, and without a CUDA device
+each stops at once with a one-line error (exit status 2) instead of a driver traceback. No script imports
+a private name (leading underscore) of the package."""
 
 from __future__ import annotations
 
+import ast
 import runpy
 import sys
 from pathlib import Path
@@ -10,16 +12,15 @@ from pathlib import Path
 import pytest
 import torch
 
-SCRIPTS = sorted((Path(__file__).resolve().parents[2] / "scripts").glob("*.py"))
-REQUIRED = {
-    "step_profile.py": ["out"],
-    "host_probe.py": ["out"],
-    "host_lag.py": ["out"],
-}  # positional arguments a script needs
+BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
+SCRIPTS = sorted((BENCHMARKS / "scripts").glob("*.py"))
+REQUIRED = {"host_lag.py": ["out"]}  # positional arguments a script needs
 
 
 def _run(monkeypatch, script: Path, args: list[str]) -> int:
-    monkeypatch.syspath_prepend(str(script.parent))  # as `python scripts/x.py` puts scripts/ first
+    monkeypatch.syspath_prepend(
+        str(script.parent)
+    )  # as `python benchmarks/scripts/x.py` puts its folder first
     monkeypatch.setattr(sys, "argv", [str(script), *args])
     with pytest.raises(SystemExit) as stop:
         runpy.run_path(str(script), run_name="__main__")
@@ -28,7 +29,66 @@ def _run(monkeypatch, script: Path, args: list[str]) -> int:
 
 def test_every_python_script_is_found():
     names = {p.name for p in SCRIPTS}
-    assert {"green_probe.py", "step_profile.py", "overlap_probe.py", "decode_settings.py"} <= names
+    assert {"attention_sweep.py", "host_lag.py", "prefix_host.py", "suffix_attention_probe.py"} <= names
+
+
+def private_uses(source: str) -> list[str]:
+    """The private names (one leading underscore) of the package that ``source`` uses: imported from a
+    ``rollplex`` module, read as an attribute of a name bound to one (``module._x``), or reached through
+    ``self`` in a class derived from a package class (``self._x``)."""
+    tree = ast.parse(source)
+    bound = set()  # names bound to rollplex modules and objects
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("rollplex"):
+            bound |= {alias.asname or alias.name for alias in node.names}
+        elif isinstance(node, ast.Import):
+            bound |= {alias.asname or alias.name for alias in node.names if alias.name.startswith("rollplex")}
+    used = [
+        alias.name
+        for node in ast.walk(tree)
+        if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("rollplex")
+        for alias in node.names
+        if _private(alias.name)
+    ]
+    used += [node.attr for node in ast.walk(tree) if _private_attribute_of(node, bound)]
+    for cls in ast.walk(tree):
+        if isinstance(cls, ast.ClassDef) and any(
+            isinstance(b, ast.Name) and b.id in bound for b in cls.bases
+        ):
+            used += [node.attr for node in ast.walk(cls) if _private_attribute_of(node, {"self"})]
+    return used
+
+
+def _private(name: str) -> bool:
+    return name.startswith("_") and not name.startswith("__")
+
+
+def _private_attribute_of(node: ast.AST, names: set[str]) -> bool:
+    return (
+        isinstance(node, ast.Attribute)
+        and _private(node.attr)
+        and isinstance(node.value, ast.Name)
+        and node.value.id in names
+    )
+
+
+def test_private_uses_finds_imports_attributes_and_inherited_names():
+    source = (
+        "import rollplex.schedule.rollplex as sched\n"
+        "from rollplex.bench.schedule import ROWS, _Workload\n"
+        "from rollplex.observe.metrics import PhaseTimer\n"
+        "class Mine:\n    def f(self):\n        return self._own\n"
+        "class Timer(PhaseTimer):\n    def f(self):\n        return self._now(), self.now()\n"
+        "x = sched._COMPILED, sched.prefix_states, ROWS.__len__\n"
+    )
+    assert sorted(private_uses(source)) == ["_COMPILED", "_Workload", "_now"]
+
+
+@pytest.mark.parametrize("script", SCRIPTS, ids=lambda p: p.name)
+def test_no_script_imports_a_private_name_of_the_package(script):
+    """A script reaches the package through its public names only, so that changing private code cannot
+    break a script that runs on a GPU only."""
+    assert private_uses(script.read_text()) == []
 
 
 @pytest.mark.parametrize("script", SCRIPTS, ids=lambda p: p.name)
@@ -49,13 +109,9 @@ def test_without_a_gpu_each_stops_with_one_line(script, monkeypatch, capsys):
 @pytest.mark.parametrize(
     ("script", "args"),
     [
-        ("decode_settings.py", ["bogus"]),
-        ("backward_repeat.py", ["default", "nondeterministic"]),
         ("product_floor.py", ["--what", "blas,bogus"]),
         ("suffix_attention_probe.py", ["--backends", "causal,bogus"]),
         ("suffix_attention_probe.py", ["--repeats", "0"]),
-        ("backward_repeat.py", ["--repeats", "11"]),
-        ("overlap_probe.py", ["serial"]),
         ("host_lag.py", ["out", "--row", "both"]),
         ("prefix_host.py", ["checkpoint", "bogus"]),
         ("prefix_host.py", ["--repeats", "0"]),
@@ -74,7 +130,7 @@ def test_a_bad_argument_is_a_usage_error_before_anything_runs(script, args, monk
 def _suite(*args: str):
     import subprocess
 
-    suite = Path(__file__).resolve().parents[2] / "scripts" / "gpu_suite.sh"
+    suite = BENCHMARKS / "gpu_suite.sh"
     env = {"PATH": f"{Path(sys.executable).parent}:/usr/bin:/bin"}  # this test's python3 (with torch)
     return subprocess.run(["bash", str(suite), *args], capture_output=True, text=True, env=env, timeout=120)
 
@@ -117,7 +173,7 @@ def test_the_cprofile_report_lists_the_run_by_own_and_cumulative_time(tmp_path):
 
 
 def test_host_lag_pairs_neighbouring_layers_of_one_pass_and_labels_recomputation(monkeypatch):
-    """scripts/host_lag.py's bookkeeping, without a GPU: a forward probe off the main thread is a
+    """benchmarks/scripts/host_lag.py's bookkeeping, without a GPU: a forward probe off the main thread is a
     recomputation; intervals are taken only between neighbouring layers on one thread."""
     import threading
 
@@ -146,48 +202,3 @@ def test_host_lag_pairs_neighbouring_layers_of_one_pass_and_labels_recomputation
     rows = [row(0, 1, 0.0), row(1, 1, 0.1), row(2, 1, 0.2), row(0, 1, 0.3), row(1, 2, 0.4), row(0, 2, 0.5)]
     pairs = space["_pairs"](rows)
     assert [(a["host_s"], b["host_s"]) for a, b in pairs] == [(0.0, 0.1), (0.1, 0.2), (0.4, 0.5)]
-
-
-def test_backward_repeat_lists_gradients_in_backward_order_and_compares_them_bitwise():
-    script = runpy.run_path(str(next(p for p in SCRIPTS if p.name == "backward_repeat.py")))
-    layer = "model.language_model.layers.{}.{}.weight"
-    names = [
-        "model.language_model.embed_tokens.weight",
-        "model.visual.blocks.0.mlp.fc1.weight",
-        "model.visual.blocks.10.mlp.fc1.weight",
-        "model.visual.blocks.2.mlp.fc1.weight",
-        "model.visual.merger.mlp.0.weight",
-        *(
-            layer.format(i, p)
-            for i in (0, 1, 10)
-            for p in ("input_layernorm", "self_attn.q_proj", "mlp.up_proj")
-        ),
-        layer.format(10, "self_attn.o_proj"),
-        layer.format(10, "mlp.down_proj"),
-        layer.format(10, "post_attention_layernorm"),
-        "model.language_model.norm.weight",
-    ]
-    assert sorted(names, key=script["_backward_order"]) == [
-        "model.language_model.norm.weight",
-        layer.format(10, "mlp.down_proj"),
-        layer.format(10, "mlp.up_proj"),
-        layer.format(10, "post_attention_layernorm"),
-        layer.format(10, "self_attn.o_proj"),
-        layer.format(10, "self_attn.q_proj"),
-        layer.format(10, "input_layernorm"),
-        *(layer.format(i, p) for i in (1, 0) for p in ("mlp.up_proj", "self_attn.q_proj", "input_layernorm")),
-        "model.visual.merger.mlp.0.weight",
-        "model.visual.blocks.10.mlp.fc1.weight",
-        "model.visual.blocks.2.mlp.fc1.weight",
-        "model.visual.blocks.0.mlp.fc1.weight",
-        "model.language_model.embed_tokens.weight",
-    ]
-    first = {
-        layer.format(0, "mlp.up_proj"): torch.tensor([3.0, 4.0]),
-        "model.language_model.norm.weight": torch.ones(2),
-    }
-    again = {**first, layer.format(0, "mlp.up_proj"): torch.tensor([3.0, 4.5])}
-    compared = script["_compare"](first, again)
-    assert compared["parameters"] == 2 and compared["differing"] == 1
-    assert compared["first_in_backward_order"] == [{"name": layer.format(0, "mlp.up_proj"), "rel_diff": 0.1}]
-    assert script["_compare"](first, dict(first))["differing"] == 0

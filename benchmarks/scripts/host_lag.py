@@ -23,7 +23,7 @@ OUT_PREFIX.lag.txt (the tables), OUT_PREFIX.lag.json (every probe), OUT_PREFIX.l
 step), and OUT_PREFIX.cprofile.txt (one more step under cProfile, probes off: functions by own time and
 by cumulative time).
 
-Usage (CUDA): python scripts/host_lag.py OUT_PREFIX [--row serial|serial-parts|serial-eager]
+Usage (CUDA): python benchmarks/scripts/host_lag.py OUT_PREFIX [--row serial|serial-parts|serial-eager]
 """
 
 from __future__ import annotations
@@ -78,14 +78,14 @@ class _IssueTimer(PhaseTimer):
 
     @contextmanager
     def phase(self, name: str, stream: str = "main"):
-        start = self._now()
+        start = self.now()
         cpu = time.thread_time()
         self.probes.phase = name
         try:
             yield
         finally:
             issued, cpu = time.perf_counter(), time.thread_time() - cpu
-            end = self._now()
+            end = self.now()
             self.cpu[name] += cpu
             self.issue[name] += issued - start
             self.wall[name] += end - start

@@ -5,11 +5,12 @@ bench schedule`` workload (3B architecture, 3,920-token video prompts, bf16, com
 its 8 responses of 512 tokens (random text tokens) and the backward of their mean log-prob.
 
 The attached prefix runs before decode under prefill fusion and at the start of each of serial's actor
-micro-batches; under torch's checkpoint the device waited for the host there (``scripts/host_lag.py``). For each setting, after
-one discarded pass each, ``--repeats`` rounds in which every setting passes over the 8 groups, one group
-at a time, the settings in a new shuffled order each round (seeded): the host's time to issue the
-group's pass (the call returns with work still queued), the time until the device has run it, and the
-memory the pass left allocated once its outputs are dropped (more than zero is a leak). Settings:
+micro-batches; under torch's checkpoint the device waited for the host there
+(``benchmarks/scripts/host_lag.py``). For each setting, after one discarded pass each, ``--repeats``
+rounds in which every setting passes over the 8 groups, one group at a time, the settings in a new
+shuffled order each round (seeded): the host's time to issue the group's pass (the call returns with
+work still queued), the time until the device has run it, and the memory the pass left allocated once
+its outputs are dropped (more than zero is a leak). Settings:
 
 - ``detached``: under ``torch.no_grad()``, on the actor as training sets it up (the rollout prefix;
   the reference model has no checkpointing);
@@ -25,7 +26,7 @@ Then one attached pass (checkpointed as training runs it) and one detached pass 
 cProfile: OUT.attached.cprofile.txt and OUT.detached.cprofile.txt, functions by own time, then by
 cumulative time.
 
-Usage (CUDA): python scripts/prefix_host.py [SETTING ...] [--repeats 3] [--pass prefix|train] [--out prefix_host.json]
+Usage (CUDA): python benchmarks/scripts/prefix_host.py [SETTING ...] [--repeats 3] [--pass prefix|train] [--out prefix_host.json]
 """
 
 from __future__ import annotations

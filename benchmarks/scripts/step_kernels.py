@@ -5,7 +5,7 @@ gate/up product, the down product (cuBLAS split-K and its reduction) and the sam
 
     ncu --clock-control none --profile-from-start off --section SpeedOfLight \
         --section MemoryWorkloadAnalysis --section Occupancy --section WarpStateStats \
-        python scripts/step_kernels.py
+        python benchmarks/scripts/step_kernels.py
 
 Without ncu it only runs them (a smoke test). Every kernel runs once before the profiled pass, so the
 profiled pass compiles nothing.
@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from attention_sweep import _inputs  # the attention sweep's 3B-shaped inputs (scripts/ is sys.path[0])
+from attention_sweep import attention_inputs  # 3B-shaped inputs (this script's folder is sys.path[0])
 
 from rollplex.bench.common import cuda_script_args
 from rollplex.rollout.decode_kernel import fused_decode_attention
@@ -32,7 +32,7 @@ def _step_kernels() -> list:
     x, qkv_w, qkv_b = rand(ROWS, HIDDEN), rand(HIDDEN + 2 * KV, HIDDEN), rand(HIDDEN + 2 * KV)
     o_w, gate_up, down = rand(HIDDEN, HIDDEN), rand(2 * INTER, HIDDEN), rand(HIDDEN, INTER)
     act = rand(ROWS, INTER)
-    attention = _inputs(STEP)
+    attention = attention_inputs(STEP)
     logits = rand(ROWS, VOCAB) * 40
     noise = torch.empty(ROWS, VOCAB, device="cuda").exponential_(generator=gen)
     banned = torch.arange(151652, 151657, device="cuda")

@@ -7,7 +7,7 @@ decode steps, 36 calls, one per
 layer of the 3B model, each on its own keys and values (so no call reads what the previous one left in
 L2), are captured in a CUDA graph and replayed; the table gives microseconds per call and the key/value
 bytes it reads per microsecond.
-Usage (CUDA): python scripts/attention_sweep.py [--grid chunks|launch|merge] [--steps 64,256,500] [--out sweep.json]
+Usage (CUDA): python benchmarks/scripts/attention_sweep.py [--grid chunks|launch|merge] [--steps 64,256,500] [--out sweep.json]
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from rollplex.rollout.decode_kernel import fused_decode_attention
 GROUPS, N, HKV, REP, D, PROMPT, LAYERS, WINDOW = 8, 8, 2, 8, 128, 4000, 36, 128
 
 
-def _inputs(step: int) -> tuple:
+def attention_inputs(step: int) -> tuple:
     gen = torch.Generator(device="cuda").manual_seed(0)
     rand = lambda *s: torch.randn(*s, generator=gen, device="cuda").to(torch.bfloat16)  # noqa: E731
     rows, window = GROUPS * N, (step // WINDOW + 1) * WINDOW
@@ -43,7 +43,7 @@ def _bytes(step: int) -> int:
 
 def time_call(step: int, knobs: dict, replays: int = 20) -> float:
     """Microseconds per call, from CUDA-graph replays of LAYERS calls on LAYERS input sets."""
-    layers = [_inputs(step) for _ in range(LAYERS)]
+    layers = [attention_inputs(step) for _ in range(LAYERS)]
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):

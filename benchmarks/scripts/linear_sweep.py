@@ -7,7 +7,7 @@ reads what the previous one left in L2), are captured in a CUDA graph and replay
 microseconds per call (the median of three timings of 20 replays), the weight bytes read per
 microsecond (TB/s), the relative error against the float64 reference and whether two runs agree bitwise.
 (The split-K products this sweep also timed for q/k/v, o and down are in commit 188f3ed.)
-Usage (CUDA): python scripts/linear_sweep.py [--out sweep.json]
+Usage (CUDA): python benchmarks/scripts/linear_sweep.py [--out sweep.json]
 """
 
 from __future__ import annotations

@@ -16,7 +16,7 @@ for ``sdpa`` and ``flex``) is made once, as a suffix pass makes it once for all 
 timed. Timings are medians over ``--repeats`` calls, each synchronised; the deterministic timings run
 under ``torch.use_deterministic_algorithms(True)``.
 
-Usage (CUDA): python scripts/suffix_attention_probe.py [--backends causal,cascade,sdpa,dense] [--groups 1]
+Usage (CUDA): python benchmarks/scripts/suffix_attention_probe.py [--backends causal,cascade,sdpa,dense] [--groups 1]
     [--repeats 10] [--out probe.json]
 """
 

@@ -3,7 +3,7 @@ setting: 64 rows × the Qwen2.5-VL vocabulary (151,936), bf16 logits, float32 no
 vision ids banned. Each timing replays a CUDA graph of 32 calls over 4 input sets (≈ 230 MB, beyond
 the L2 cache); µs per call, median of 5 replays.
 
-    python scripts/race_sweep.py [--baseline FILE] [--out results.json]
+    python benchmarks/scripts/race_sweep.py [--baseline FILE] [--out results.json]
 
 The JSON gives µs per call and, with a baseline, whether each setting drew the baseline's tokens.
 ``--baseline`` times the ``fused_race`` of another copy of sample_kernel.py (e.g. an earlier commit's,

@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
-# GPU tests and benchmarks in one call. Usage: scripts/gpu_suite.sh [tests] [train] [prefix] [decode] [schedule]
-# [profile] [same] [same-det] (no argument = all but the last three; prefix: rollplex bench prefix and the
-# suffix attention per backend, scripts/suffix_attention_probe.py; profile: one serial GRPO step profiled,
-# idle time by launcher; same: whether each schedule's update is serial's, and serial's its own from run to
-# run, about 6 minutes; same-det: the same with torch's deterministic algorithms, about 6.5 minutes; tests:
-# 7.5-9.5 minutes, much of it compiling).
+# GPU tests and benchmarks in one call. Run it from the repository root: benchmarks/gpu_suite.sh [tests]
+# [train] [prefix] [decode] [schedule] [profile] [same] [same-det] (no argument = all but the last three;
+# prefix: rollplex bench prefix, then the suffix attention per backend by
+# benchmarks/scripts/suffix_attention_probe.py; profile: rollplex bench profile, one serial GRPO step
+# profiled, idle time by launcher; same: whether each schedule's update is serial's, and serial's its own
+# from run to run; same-det: the same with torch's deterministic algorithms; tests: much of its time is
+# compiling).
 # Results go under $OUT (default ./gpu-results): logs, metrics and JSON tables.
 # GPU_TESTS picks the test paths of the tests stage (default: all the GPU tests), e.g. to run it in two
 # parts: GPU_TESTS="tests/numerics tests/schedule tests/rollout", then
@@ -12,11 +13,12 @@
 # SCHEDULE_ROWS picks the rows of the schedule benchmark (default: rollplex bench schedule's default rows),
 # SCHEDULE_ARGS adds options (e.g. "--warmup 2 --steps 1"), SCHEDULE_NAME names its output files.
 # Wheels missing from the GPU image (PyAV, rouge-score, nltk) are installed from .whl/ when present
-# (docs/benchmarks.md shows how to download them there).
+# (benchmarks/README.md shows how to download them there).
 # Python: the python3 on PATH (activate the environment that has torch first).
 set -uo pipefail
-usage() { sed -n '2,16p' "$0" | sed 's/^# \{0,1\}//'; }
+usage() { sed -n '2,17p' "$0" | sed 's/^# \{0,1\}//'; }
 gpu_tests="tests/numerics tests/schedule tests/rollout tests/models tests/bench/test_fingerprint.py"
+gpu_tests="$gpu_tests tests/bench/test_profile_bench.py"
 stages=${*:-tests train prefix decode schedule}
 for stage in $stages; do
   case $stage in
@@ -64,13 +66,13 @@ for stage in $stages; do
       cp "$WORK/run-3b/metrics.jsonl" "$OUT/train-metrics.jsonl" 2>/dev/null ;;
     prefix)
       rollplex bench prefix --out "$OUT/bench-prefix.json" 2>&1 | tee "$OUT/bench-prefix.log" || status=1
-      python3 scripts/suffix_attention_probe.py --out "$OUT/suffix-attention.json" > "$OUT/suffix-attention.log" 2>&1 \
+      python3 benchmarks/scripts/suffix_attention_probe.py --out "$OUT/suffix-attention.json" > "$OUT/suffix-attention.log" 2>&1 \
         || status=1 ;;
     decode)
       rollplex bench decode --out "$OUT/bench-decode.json" 2>&1 | tee "$OUT/bench-decode.log" || status=1 ;;
     profile)
-      python3 scripts/step_profile.py "$OUT/step" > "$OUT/profile.log" 2>&1 || status=1
-      cat "$OUT/step.gaps.txt" 2>/dev/null ;;
+      rollplex bench profile --out "$OUT/profile.json" > "$OUT/profile.log" 2>&1 || status=1
+      python3 -c "import json, sys; print(json.load(open(sys.argv[1]))['idle'])" "$OUT/profile.json" 2>/dev/null ;;
     same)
       rollplex bench schedule --rows serial,serial-again,fusion,overlap,both --warmup 2 --steps 2 \
         --out "$OUT/same.json" 2>&1 | tee "$OUT/same.log" || status=1 ;;

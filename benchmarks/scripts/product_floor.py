@@ -9,7 +9,7 @@ followed by the sum over S as its own kernel (a following elementwise kernel cou
 ``rows``: cuBLAS at 8..128 rows, "cold" (36 layers' weights, read from memory) and "hot" (one weight 36
 times, L2-resident): how much of a product's time is its bytes.
 
-Usage (CUDA): python scripts/product_floor.py [--what blas,rows] [--out floor.json]   (--what: any of blas,
+Usage (CUDA): python benchmarks/scripts/product_floor.py [--what blas,rows] [--out floor.json]   (--what: any of blas,
 rows, splitk)
 """
 
