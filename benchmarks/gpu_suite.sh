@@ -61,7 +61,7 @@ for stage in $stages; do
       [ -d "$WORK/3b" ] || rollplex model init --preset qwen2.5-vl-3b --out "$WORK/3b" --dtype bfloat16
       [ -d "$WORK/video" ] || rollplex data synth --out "$WORK/video" --num 16 --seed 0 \
         --width 640 --height 480 --frames 64 --fps 8 --families color,direction
-      rollplex train configs/h200-3b-video.yaml model.path="$WORK/3b" data.train_path="$WORK/video/train.json" \
+      rollplex train configs/qwen2.5-vl-3b-video.yaml model.path="$WORK/3b" data.train_path="$WORK/video/train.json" \
         run.out_dir="$WORK/run-3b" run.progress=false --overwrite 2>&1 | tee "$OUT/train.log" || status=1
       cp "$WORK/run-3b/metrics.jsonl" "$OUT/train-metrics.jsonl" 2>/dev/null ;;
     prefix)

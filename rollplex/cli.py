@@ -221,7 +221,8 @@ def _bench_decode(args: argparse.Namespace) -> int:
 def _bench_profile(args: argparse.Namespace) -> None:
     from rollplex.bench.profile import ProfileBenchConfig, run_profile_bench
 
-    run_profile_bench(ProfileBenchConfig(**_options(args, (*WORKLOAD_FIELDS, "row", "warmup"))), args.out)
+    options = _options(args, (*WORKLOAD_FIELDS, "row", "warmup"))
+    run_profile_bench(ProfileBenchConfig(**options, overrides=tuple(args.overrides)), args.out)
 
 
 def _failed_rows(rows: dict) -> int:
@@ -396,7 +397,9 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     p = bench.add_parser(
         "profile", help="one GRPO step under torch.profiler: operators by device time, idle time by launcher"
     )
-    _add_workload_arguments(p, group_size=2)
+    _add_workload_arguments(
+        p, "applied to the row's config after the options, as in bench schedule", group_size=2
+    )
     p.add_argument(
         "--row", choices=ROWS, metavar="ROW", help="row of rollplex bench schedule (default serial)"
     )

@@ -41,7 +41,7 @@ from rollplex.bench.common import cprofile_report, cuda_script_args, one_of
 from rollplex.bench.schedule import ROWS, default_row
 from rollplex.observe.metrics import PhaseTimer
 
-SERIAL_ROWS = tuple(name for name, row in ROWS.items() if row.get("run.schedule") == "serial")
+SERIAL_ROWS = tuple(name for name, row in ROWS.items() if row.get("schedule.kind") == "serial")
 
 
 class _Probes:

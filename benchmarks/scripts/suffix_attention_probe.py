@@ -6,7 +6,7 @@ five longest kernels of one forward + backward.
 The shape is the schedule bench's workload: each group's N = 8 responses of R = 511 suffix positions
 against its 3,920-key boundary, H = 16 query and Hkv = 2 key/value heads of D = 128, bf16; ``--groups``
 groups per call (1: an actor micro-batch; 8: the reference's whole batch). Backends as
-``ROLLPLEX_SUFFIX_ATTENTION`` names them (``models.attention.SUFFIX_ATTENTION``). Gradients are taken
+``model.suffix_attention`` names them (``models.attention.SUFFIX_ATTENTION``). Gradients are taken
 with respect to the queries, the responses' own keys and values, and the boundary keys and values (the
 actor's boundary is attached), against one fixed random output gradient.
 
@@ -30,7 +30,7 @@ import statistics
 import torch
 
 from rollplex.bench.common import comma_list_of, cuda_script_args, int_between, timed
-from rollplex.loop import CUBLAS_WORKSPACE
+from rollplex.determinism import CUBLAS_WORKSPACE
 from rollplex.models.attention import SUFFIX_ATTENTION, SuffixPlan, suffix_plan
 from rollplex.types import PrefixState
 

@@ -41,6 +41,7 @@ class ProfileBenchConfig(Workload):
 
     row: str = "serial"
     warmup: int = 2  # unprofiled steps first: compilation, graph capture, allocator growth
+    overrides: tuple[str, ...] = ()  # config overrides (section.field=value) applied to the row's config
 
 
 @dataclass
@@ -61,7 +62,9 @@ def run_profile_bench(cfg: ProfileBenchConfig, out: Path | None = None) -> Profi
         KeyError: ``cfg.row`` is not a row of ``bench.variants.ROWS``.
     """
     device = bench_device(cfg.preset)
-    workload = ScheduleBenchConfig(**{f.name: getattr(cfg, f.name) for f in fields(Workload)})
+    workload = ScheduleBenchConfig(
+        **{f.name: getattr(cfg, f.name) for f in fields(Workload)}, overrides=cfg.overrides
+    )
     work, roles, step = default_row(cfg.row, device, workload)
     timer = PhaseTimer(sync=torch.cuda.synchronize if device.type == "cuda" else None)
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
