@@ -10,7 +10,7 @@ Figures written to ``run_dir/report/`` (a figure whose keys are all missing is n
   Phase-1 prefixes overlapped decode, ``rollout`` and ``prefix`` are replaced by the Phase-1 makespan
   (``phase1``), so the bars never count overlapped time twice.
 - ``eq1.png``: the paper's Eq. 1 terms per step (``eq1/*``: T_D, T_P, decode as run = T_D + ΔD,
-  saving S and the bound min(T_D, T_P); schedule.eq1 defines them).
+  saving S and the bound min(T_D, T_P); schedule.critical_path defines them).
 - ``training.png``: one panel per diagnostic present (``DIAGNOSTICS``: loss, kl, clip_fraction, entropy,
   step time, ...), each with its quantity and unit on the y axis; loss and KL with a line at 0, the step
   time with its median, and a flat series with its value written in the panel.
