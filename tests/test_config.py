@@ -80,6 +80,7 @@ SPEC_DEFAULTS = {
         "warmup_steps": 0,
     },
     "eval": {"every": 0, "num_prompts": 64, "temperature": 0.0},
+    "parallel": {"dp": 1, "tp_train": 1, "tp_rollout": 1, "placement": "colocated", "rollout_gpus": 0},
 }  # fmt: skip
 
 
@@ -294,6 +295,7 @@ def test_save_then_load_round_trip(tmp_path):
         "reward",
         "optim",
         "eval",
+        "parallel",
     ]
 
 
