@@ -1,0 +1,8 @@
+"""Multi-GPU rollplex: SPMD processes under torchrun, tensor parallelism.
+
+dist            process groups (training TP, rollout TP, share, data parallel), start-up checks,
+                the writer rank, failures named by rank
+layout          the one table of TP placements of every Qwen2.5-VL parameter
+tensor_parallel Megatron-style sharding of the transformers model (column/row parallel, f and g)
+vocab_parallel  log-probs, entropy and sampling over vocabulary shards; the model-side hook
+"""
