@@ -21,7 +21,7 @@ from rollplex.parallel.weight_sharing import (
     model_heads,
     rollplex_shards,
 )
-from tests.parallel.common import batch, build_model, context, score
+from tests.parallel.common import batch, build_model, context, reference_copy, score
 
 
 def _rows(preset: str, tp_train: int, tp_rollout: int, **kw):
@@ -189,3 +189,63 @@ def test_training_shards_are_views_and_refresh_completes_rollout_shards(ranks, t
         if tp // tr > 1:
             assert out["stale"] > 0.1, rank  # before refresh, the other pieces were the old weights
         assert out["buffers"] == 2 * 5 + 2  # 2 layers × (qkv, qkv_bias, gate_up, o, down) + embed + head
+
+
+def decode_layer_on_shared_views(tp: int, tr: int, dp: int) -> dict:
+    """rollout.decode's layer functions on this rank's shared rollout tensors (decode_tensors, per-rank
+    heads, the rollout head's all-reduce after o_proj and down_proj, as the integration will wire
+    layer_post) == the single-process decode layer on the full weights."""
+    from rollplex.rollout.decode import (
+        DecodeShape,
+        _layer_tensors,
+        decode_attention,
+        layer_post,
+        layer_qkv,
+        rms_norm,
+    )
+
+    ctx = context(tp, tr, dp)
+    model = build_model()
+    layer = reference_copy(model).model.language_model.layers[0]
+    shard_model(model, ctx.train_tp)
+    shared = SharedWeights(model, ctx.train_tp, ctx.share, ctx.rollout_tp)
+    head = shared.rollout_head()
+    g = torch.Generator().manual_seed(9)
+    rows, d, p = 3, 8, 5
+    hidden = torch.randn(rows, 64, generator=g)
+    angles = torch.randn(rows, d, generator=g)
+    cos, sin = angles.cos(), angles.sin()
+    prefix_k, prefix_v = torch.randn(2, 1, 4, p, d, generator=g).unbind(0)
+    own_k, own_v = torch.randn(2, rows, 4, 2, d, generator=g).unbind(0)
+    bias = torch.zeros(rows, 1, 1, p + 2)
+    eps, scaling = layer.input_layernorm.variance_epsilon, layer.self_attn.scaling
+    full = DecodeShape(1, rows, 8, 4, d, 2, scaling, eps)
+    q, _, _ = layer_qkv(hidden, cos, sin, _layer_tensors(layer, fused=True), full)
+    attention = decode_attention(q, prefix_k, prefix_v, own_k, own_v, bias, full)
+    want = layer_post(hidden, attention, _layer_tensors(layer, fused=True), full)
+
+    mine = DecodeShape(1, rows, head.heads, head.kv_heads, d, 2, scaling, eps)
+    weights = shared.decode_tensors(0)
+    kv = slice(head.comm.rank * head.kv_heads, (head.comm.rank + 1) * head.kv_heads)
+    q_r, _, _ = layer_qkv(hidden, cos, sin, weights, mine)
+    att_r = decode_attention(q_r, prefix_k[:, kv], prefix_v[:, kv], own_k[:, kv], own_v[:, kv], bias, mine)
+    hidden2 = hidden + head.all_reduce(torch.nn.functional.linear(att_r, weights[3]))
+    gate, up = torch.nn.functional.linear(rms_norm(hidden2, weights[4], eps), weights[5][0]).chunk(2, dim=-1)
+    got = hidden2 + head.all_reduce(
+        torch.nn.functional.linear(torch.nn.functional.silu(gate) * up, weights[6])
+    )
+    cols = slice(head.comm.rank * head.heads * d, (head.comm.rank + 1) * head.heads * d)
+    return {
+        "q": float((q_r - q[:, head.comm.rank * head.heads : (head.comm.rank + 1) * head.heads]).abs().max()),
+        "attention": float((att_r - attention[:, cols]).abs().max()),
+        "out": float((got - want).abs().max()),
+        "heads": (head.heads, head.kv_heads),
+    }
+
+
+@pytest.mark.parametrize(("tp", "tr", "dp"), [(4, 2, 1), (4, 4, 1), (2, 1, 2)])
+def test_decode_layer_reads_the_shared_rollout_shards(ranks, tp, tr, dp):
+    for rank, out in enumerate(ranks(4, decode_layer_on_shared_views, tp, tr, dp)):
+        assert out["heads"] == (8 // tr, 4 // tr)
+        assert out["q"] == 0.0 and out["attention"] <= 1e-6, (rank, out)
+        assert out["out"] <= 1e-5, (rank, out)  # row-parallel partial sums added in another order
