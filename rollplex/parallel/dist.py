@@ -220,11 +220,11 @@ class Comm:
         return self
 
     def all_reduce(self, tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
-        """In-place all-reduce (``op`` sum or max) of ``tensor``; returns it."""
+        """In-place all-reduce (``op`` "sum" or "max") of ``tensor``; returns it."""
+        assert op in ("sum", "max"), op
         if self.size > 1:
-            dist.all_reduce(
-                tensor, op=dist.ReduceOp.SUM if op == "sum" else dist.ReduceOp.MAX, group=self.group
-            )
+            reduce = dist.ReduceOp.SUM if op == "sum" else dist.ReduceOp.MAX
+            dist.all_reduce(tensor, op=reduce, group=self.group)
         return tensor
 
     def all_gather_into(self, out: torch.Tensor, piece: torch.Tensor) -> torch.Tensor:

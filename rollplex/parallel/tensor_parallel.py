@@ -234,3 +234,23 @@ def _shard_layer(layer: nn.Module, comm: Comm) -> None:
     mlp.register_forward_pre_hook(_copy_input_hook(comm), with_kwargs=True)
     attn.num_heads //= tp
     attn.num_key_value_heads //= tp
+
+
+def grad_norm(named_parameters, comm: Comm) -> torch.Tensor:
+    """L2 norm of the whole model's gradient under tensor parallelism, equal on every rank of ``comm``
+    (what clipping needs): the squared norms of this rank's shards summed over the group, the
+    replicated parameters' (equal on every rank) counted once. float32 scalar (float64 for float64
+    gradients); parameters without a gradient count 0.
+
+    Raises:
+        ValueError: a parameter with no layout entry.
+    """
+    sharded, replicated = [], []
+    for name, p in named_parameters:
+        if p.grad is not None:
+            wide = p.grad.to(torch.promote_types(p.grad.dtype, torch.float32))
+            side = replicated if entry(name).train is Placement.REPLICATED else sharded
+            side.append(wide.pow(2).sum())
+    ref = (sharded or replicated)[0]
+    total = comm.all_reduce(torch.stack(sharded).sum() if sharded else torch.zeros_like(ref))
+    return (total + (torch.stack(replicated).sum() if replicated else 0.0)).sqrt()

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from rollplex.parallel.layout import Placement, entry, shard_index
-from rollplex.parallel.tensor_parallel import shard_model
+from rollplex.parallel.tensor_parallel import grad_norm, shard_model
 from tests.parallel.common import batch, build_model, context, flat_grads, reference_copy, score
 
 LOGPROB_TOL = 1e-5
@@ -60,6 +60,8 @@ def tp_against_single_process(tp: int, dp: int) -> dict:
         "keys": max(_diff(k, r[:, kv]) for k, r in zip(prefix.keys, ref_prefix.keys, strict=True)),
         "values": max(_diff(v, r[:, kv]) for v, r in zip(prefix.values, ref_prefix.values, strict=True)),
     }
+    whole = torch.stack([g.pow(2).sum() for g in want.values()]).sum().sqrt()
+    errors["grad_norm"] = _rel(grad_norm(model.named_parameters(), comm), whole)
     grad_errors = {}
     for name, g in want.items():
         index = shard_index(name, full[name], comm.size, comm.rank)
