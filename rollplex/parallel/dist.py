@@ -36,8 +36,9 @@ failure flag at the phase's end, so every rank stops at the same boundary: the f
 its own error and the others raise ``RankFailure`` naming it.
 
 Integration (later): cli.py's ``train`` calls ``init_parallel(cfg.parallel)`` first, then
-``check_parallel`` with the model config, ``configure_logging``; loop.py writes metrics and
-checkpoints only where ``ctx.is_writer``, and wraps each phase in ``guard(ctx, "<phase>")``.
+``check_parallel`` with the model config, ``configure_logging``, and ``close_parallel`` at the end;
+loop.py writes metrics and checkpoints only where ``ctx.is_writer``, and wraps each phase in
+``guard(ctx, "<phase>")``.
 """
 
 from __future__ import annotations
@@ -342,6 +343,14 @@ def init_parallel(parallel: ParallelConfig, *, init_method: str | None = None) -
             timeout=COLLECTIVE_TIMEOUT,
         )
     return build_context(parallel, rank, world, device)
+
+
+def close_parallel(ctx: ParallelContext) -> None:
+    """End of the run: wait for every rank, then stop the process groups (a process that exits with
+    its groups still running can abort in their threads' teardown). Nothing to do for world 1."""
+    if ctx.world > 1 and dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
 
 
 def configure_logging(ctx: ParallelContext) -> None:

@@ -14,6 +14,7 @@ from rollplex.parallel.dist import (
     check_groups,
     check_heads,
     check_world,
+    close_parallel,
     guard,
     init_parallel,
 )
@@ -138,6 +139,7 @@ def test_one_process_without_torchrun(monkeypatch):
     for comm in (ctx.train_tp, ctx.rollout_tp, ctx.share, ctx.dp, ctx.world_comm):
         assert comm.size == 1 and comm.group is None
         assert torch.equal(comm.all_reduce(torch.ones(2)), torch.ones(2))
+    close_parallel(ctx)  # nothing to stop
     with pytest.raises(ConfigError, match="WORLD_SIZE=1"):
         init_parallel(ParallelConfig(tp_train=2))
 

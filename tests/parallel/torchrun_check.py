@@ -9,7 +9,7 @@ import torch
 
 from rollplex.config import ParallelConfig
 from rollplex.models.presets import init_model
-from rollplex.parallel.dist import guard, init_parallel
+from rollplex.parallel.dist import close_parallel, guard, init_parallel
 from rollplex.parallel.layout import shard_index
 from rollplex.parallel.tensor_parallel import shard_model
 from rollplex.parallel.weight_sharing import SharedWeights
@@ -46,6 +46,7 @@ def main() -> None:
         ctx.world_comm.all_gather_into(gathered, tokens)
         assert torch.equal(gathered[0], gathered[1]), "every rank of the group samples the same tokens"
     print(f"rank {ctx.rank} ok", flush=True)
+    close_parallel(ctx)
 
 
 if __name__ == "__main__":
