@@ -1,7 +1,7 @@
 """Typed run configuration: declared once, validated at load.
 
-A ``Config`` has ten sections (``run``, ``schedule``, ``model``, ``data``, ``rollout``, ``algo``,
-``reward``, ``optim``, ``eval``, ``logging``), each a keyword-only dataclass. Every field has a default
+A ``Config`` has eleven sections (``run``, ``schedule``, ``model``, ``data``, ``rollout``, ``algo``,
+``reward``, ``optim``, ``eval``, ``logging``, ``parallel``), each a keyword-only dataclass. Every field has a default
 and a one-line description with units in ``dataclasses.field(metadata={"help": ...})``; range limits and
 choices sit in the same metadata, so ``rollplex train --help-config`` and the validator read one table.
 
@@ -366,6 +366,51 @@ class EvalConfig:
     temperature: float = _field(0.0, "sampling temperature; 0 = greedy", ge=0)
 
 
+PLACEMENTS = ("colocated", "disaggregated")  # parallel.placement (rollplex.parallel.dist)
+
+
+@dataclass(kw_only=True)
+class ParallelConfig:
+    """GPUs under torchrun: data-parallel replicas × tensor-parallel degrees (rollplex.parallel).
+
+    Checked here: tp_train is a multiple of tp_rollout, and rollout_gpus agrees with the placement.
+    Checked when the processes start (``rollplex.parallel.dist.check_parallel``): the world size
+    torchrun started, and the degrees against the model's head counts and the prompt groups.
+    """
+
+    dp: int = _field(1, "data-parallel replicas of the training model; each takes whole prompt groups", ge=1)
+    tp_train: int = _field(
+        1, "tensor-parallel degree of training and scoring (GPUs per replica); a multiple of tp_rollout", ge=1
+    )
+    tp_rollout: int = _field(
+        1, "tensor-parallel degree of rollout decode (GPUs per decoding engine); divides tp_train", ge=1
+    )
+    placement: str = _field(
+        "colocated",
+        "colocated: every GPU runs rollout and training on one shared copy of the actor weights; "
+        "disaggregated: parallel.rollout_gpus GPUs only decode, the others only train",
+        choices=PLACEMENTS,
+    )
+    rollout_gpus: int = _field(
+        0, "disaggregated placement: GPUs that only decode, a multiple of tp_rollout (0 when colocated)", ge=0
+    )
+
+    def __post_init__(self) -> None:
+        if self.tp_train % self.tp_rollout:
+            why = "the rollout shard must be the union of q = tp_train / tp_rollout training shards"
+            raise conflict("parallel.tp_train", self.tp_train, "parallel.tp_rollout", self.tp_rollout, why)
+        if self.placement == "colocated" and self.rollout_gpus:
+            why = "colocated rollout runs on the training GPUs"
+            raise conflict("parallel.rollout_gpus", self.rollout_gpus, "parallel.placement", "colocated", why)
+        if self.placement == "disaggregated" and (
+            not self.rollout_gpus or self.rollout_gpus % self.tp_rollout
+        ):
+            why = "disaggregated rollout needs a positive multiple of tp_rollout GPUs"
+            raise conflict(
+                "parallel.rollout_gpus", self.rollout_gpus, "parallel.tp_rollout", self.tp_rollout, why
+            )
+
+
 @dataclass(kw_only=True)
 class LoggingConfig:
     """Where the per-step metrics go besides ``metrics.jsonl`` (observe.sinks; the same rows)."""
@@ -402,6 +447,7 @@ class Config:
     optim: OptimConfig = field(default_factory=OptimConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
 
 
 class _YamlLoader(yaml.SafeLoader):

@@ -87,6 +87,7 @@ SPEC_DEFAULTS = {
     },
     "eval": {"every": 0, "num_prompts": 64, "temperature": 0.0},
     "logging": {"tensorboard": False, "wandb": False, "wandb_project": "rollplex"},
+    "parallel": {"dp": 1, "tp_train": 1, "tp_rollout": 1, "placement": "colocated", "rollout_gpus": 0},
 }  # fmt: skip
 
 
@@ -260,6 +261,7 @@ def test_save_then_load_round_trip(tmp_path):
         "optim",
         "eval",
         "logging",
+        "parallel",
     ]
 
 

@@ -28,7 +28,9 @@ from transformers import GenerationConfig, Qwen2_5_VLConfig, Qwen2_5_VLForCondit
 from rollplex.files import make_readable
 from rollplex.models.tokenizer import EOS_TOKEN, added_token_ids, build_processor, vocab_size
 
-PRESETS = ("tiny", "qwen2.5-vl-3b", "qwen2.5-vl-7b", "qwen2.5-vl-32b")
+PRESETS = ("tiny", "qwen2.5-vl-3b", "qwen2.5-vl-7b", "qwen2.5-vl-32b", "tiny-tp")
+# Presets that reuse another preset's tokenizer (same vocabulary and special ids).
+TOKENIZER_OF = {"tiny-tp": "tiny"}
 ROPE_THETA = 1_000_000.0
 MAX_POSITION_EMBEDDINGS = 128000
 RMS_NORM_EPS = 1e-6
@@ -77,6 +79,9 @@ SHAPES = {
     "qwen2.5-vl-3b": PresetShape(2048, 36, 16, 2, 11008, True, (16, 24, 24), 32, 1280, 16, 3420, _FULLATT),
     "qwen2.5-vl-7b": PresetShape(3584, 28, 28, 4, 18944, False, (16, 24, 24), 32, 1280, 16, 3420, _FULLATT),
     "qwen2.5-vl-32b": PresetShape(5120, 64, 40, 8, 27648, False, (16, 24, 24), 32, 1280, 16, 3456, _FULLATT),
+    # tiny-tp: tiny with enough heads for tensor parallelism up to 4 (8 query / 4 key-value heads of dim
+    # 16; MLP width 256 and the tiny vocabulary, 448, divisible by 4 and 8); the tiny tokenizer.
+    "tiny-tp": PresetShape(128, 2, 8, 4, 256, False, (2, 3, 3), 2, 32, 2, 64, (1,), initializer_range=0.1),
 }
 
 
@@ -91,12 +96,17 @@ def preset_shape(name: str) -> PresetShape:
     return SHAPES[name]
 
 
+def tokenizer_preset(name: str) -> str:
+    """The tokenizer preset of model preset ``name`` (``TOKENIZER_OF``; itself for the others)."""
+    return TOKENIZER_OF.get(name, name)
+
+
 def _text_config(name: str, shape: PresetShape) -> dict:
     """LM fields of ``name`` (docs/qwen2.5-vl.md, "Config fields" and "Published sizes"); vocabulary and
     bos/eos from the preset's tokenizer."""
-    ids = added_token_ids(name)
+    ids = added_token_ids(tokenizer_preset(name))
     return dict(
-        vocab_size=vocab_size(name),
+        vocab_size=vocab_size(tokenizer_preset(name)),
         hidden_size=shape.hidden_size,
         intermediate_size=shape.intermediate_size,
         num_hidden_layers=shape.num_hidden_layers,
@@ -152,7 +162,7 @@ def preset_config(name: str) -> Qwen2_5_VLConfig:
         ValueError: ``name`` is not one of ``PRESETS``.
     """
     shape = preset_shape(name)
-    ids = added_token_ids(name)
+    ids = added_token_ids(tokenizer_preset(name))
     return Qwen2_5_VLConfig(
         text_config=_text_config(name, shape),
         vision_config=_vision_config(shape),
@@ -180,7 +190,7 @@ def generation_config(name: str) -> GenerationConfig:
     """Generation defaults saved with a checkpoint: eos [``<|im_end|>``, ``<|endoftext|>``] ids (the
     published Qwen2.5-VL list, [151645, 151643] for real presets), pad and bos ``<|endoftext|>``; no
     sampling settings (those belong to the run config)."""
-    ids = added_token_ids(name)
+    ids = added_token_ids(tokenizer_preset(name))
     end_of_text = ids["<|endoftext|>"]
     return GenerationConfig(
         bos_token_id=end_of_text, eos_token_id=[ids[EOS_TOKEN], end_of_text], pad_token_id=end_of_text
@@ -256,7 +266,7 @@ def init_checkpoint(preset: str, out: Path, *, seed: int = 0, dtype: torch.dtype
     """
     out = Path(out)
     _check_target(out)
-    processor = build_processor(preset)
+    processor = build_processor(tokenizer_preset(preset))
     # Large presets initialise on the GPU when there is one (seconds instead of minutes on the CPU).
     device = "cuda" if torch.cuda.is_available() and preset != "tiny" else "cpu"
     model = init_model(preset, seed=seed, dtype=dtype, device=device)

@@ -22,6 +22,7 @@ from transformers import (
 
 from rollplex.models.presets import (
     PRESETS,
+    TOKENIZER_OF,
     init_checkpoint,
     init_model,
     meta_model,
@@ -84,8 +85,9 @@ def tiny_dir(tmp_path_factory):
 
 
 def test_preset_names_match_the_tokenizer():
-    assert PRESETS == ("tiny", "qwen2.5-vl-3b", "qwen2.5-vl-7b", "qwen2.5-vl-32b")
-    assert tuple(VOCAB_SIZES) == PRESETS
+    assert PRESETS == ("tiny", "qwen2.5-vl-3b", "qwen2.5-vl-7b", "qwen2.5-vl-32b", "tiny-tp")
+    assert TOKENIZER_OF == {"tiny-tp": "tiny"}
+    assert tuple(VOCAB_SIZES) == tuple(p for p in PRESETS if p not in TOKENIZER_OF)
     with pytest.raises(ValueError, match="'qwen2-vl-7b'"):
         preset_config("qwen2-vl-7b")
 
@@ -146,6 +148,21 @@ def test_tiny_parameter_count():
     model = meta_model("tiny")
     assert sum(p.numel() for p in model.parameters()) == TINY_PARAMETERS
     assert formula_parameters(model.config) == TINY_PARAMETERS
+
+
+def test_tiny_tp_has_heads_for_tensor_parallelism_4():
+    """tiny with 8 query / 4 key-value heads of dim 16 and MLP width 256; the tiny tokenizer's
+    vocabulary (448 = 4 · 112) and special ids. Parameters by hand: LM 410,752 (2 layers × 147,968 +
+    2 × 448·128 + 128) + vision 91,872 (tiny's, with the merger's last linear 128 → 128)."""
+    config = preset_config("tiny-tp")
+    text = config.text_config
+    assert (text.num_attention_heads, text.num_key_value_heads, text.hidden_size) == (8, 4, 128)
+    assert (text.intermediate_size, text.vocab_size) == (256, 448)
+    assert sum(text.rope_parameters["mrope_section"]) == text.hidden_size // text.num_attention_heads // 2
+    assert vision_special_ids(config) == vision_special_ids(preset_config("tiny"))
+    model = meta_model("tiny-tp")
+    assert sum(p.numel() for p in model.parameters()) == 502_624 == formula_parameters(config)
+    assert preset_config("tiny").text_config.num_attention_heads == 4  # tiny itself unchanged
 
 
 def test_init_is_seeded_and_leaves_the_global_rng_alone():
