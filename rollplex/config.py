@@ -57,6 +57,8 @@ VISION_ATTENTION = ("per_chunk", "batched")  # model.vision_attention (models.fo
 DECODE_ATTENTION = ("auto", "dense", "triton")  # rollout.decode_attention (rollout.decode.StaticDecoder)
 COMPILE_SCOPES = ("layer", "parts")  # model.compile_scope (models.compiled)
 COMPILE_MODES = ("default", "max-autotune")  # rollout.compile_mode (rollout.decode._compiled_layer)
+MODEL_PRESETS = ("tiny", "qwen2.5-vl-3b", "qwen2.5-vl-7b", "qwen2.5-vl-32b")  # models.presets.PRESETS
+AUTO_ON_OFF = ("auto", "on", "off")
 
 
 @dataclass(kw_only=True)
@@ -167,6 +169,11 @@ class ModelConfig:
         "block, two graphs around its attention call) or parts (its norms, attention module and MLP apart, "
         "five graphs; more host work per layer)",
         choices=COMPILE_SCOPES,
+    )
+    preset: str = _field(
+        "",
+        "model preset whose shapes rollplex plan reads when model.path is empty; '' = none",
+        choices=("", *MODEL_PRESETS),
     )
 
 
@@ -338,6 +345,54 @@ class EvalConfig:
 
 
 @dataclass(kw_only=True)
+class MemoryConfig:
+    """Device and host memory budgets and where state lives (memory.planner, paper §3.2)."""
+
+    device_budget_gib: float = _field(
+        0.0, "device memory the plan may use per GPU, GiB; 0 = the device's capacity less margin_gib", ge=0
+    )
+    margin_gib: float = _field(
+        4.0,
+        "device memory an automatic budget leaves for the CUDA context, allocator fragmentation and what "
+        "the plan does not count, GiB",
+        ge=0,
+    )
+    workspace_gib: float = _field(
+        1.0, "device memory planned for library workspaces and CUDA graph pools in every phase, GiB", ge=0
+    )
+    host_budget_gib: float = _field(
+        0.0,
+        "pinned host memory the pool may take per GPU process, GiB; 0 = the host's available memory shared "
+        "among its GPU processes, less host_margin_gib",
+        ge=0,
+    )
+    host_margin_gib: float = _field(
+        16.0, "host memory an automatic host budget leaves to the process and the system, GiB", ge=0
+    )
+    chunk_mib: int = _field(
+        128, "optimizer chunk: MiB of FP32 master weights updated (and streamed) at a time", ge=1
+    )
+    optimizer_offload: str = _field(
+        "auto",
+        "FP32 master weights and Adam moments in the pinned host pool, streamed through the GPU at the step: "
+        "auto (as many chunks as the budget needs), on (all), off (none)",
+        choices=AUTO_ON_OFF,
+    )
+    reference_paging: str = _field(
+        "auto",
+        "reference weights: auto (paged when the budget needs it), resident (always on the device), paged "
+        "(on the device only while the reference prefixes and scoring run)",
+        choices=("auto", "resident", "paged"),
+    )
+    offload_activations: str = _field(
+        "auto",
+        "rollplex schedule: the actor prefix's saved tensors go to the pinned host pool as they are produced "
+        "and come back for the backward: auto (when the budget needs it), on, off",
+        choices=AUTO_ON_OFF,
+    )
+
+
+@dataclass(kw_only=True)
 class Config:
     """The whole run configuration; see each section's fields."""
 
@@ -349,6 +404,7 @@ class Config:
     reward: RewardConfig = field(default_factory=RewardConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
+    memory: MemoryConfig = field(default_factory=MemoryConfig)
 
 
 class _YamlLoader(yaml.SafeLoader):

@@ -44,6 +44,7 @@ SPEC_DEFAULTS = {
         "vision_mlp_padding": True,
         "compile_layers": True,
         "compile_scope": "layer",
+        "preset": "",
     },
     "data": {
         "train_path": "", "val_path": "", "data_root": "", "template": "video_r1", "max_prompt_tokens": 8192,
@@ -80,6 +81,11 @@ SPEC_DEFAULTS = {
         "warmup_steps": 0,
     },
     "eval": {"every": 0, "num_prompts": 64, "temperature": 0.0},
+    "memory": {
+        "device_budget_gib": 0.0, "margin_gib": 4.0, "workspace_gib": 1.0, "host_budget_gib": 0.0,
+        "host_margin_gib": 16.0, "chunk_mib": 128, "optimizer_offload": "auto", "reference_paging": "auto",
+        "offload_activations": "auto",
+    },
 }  # fmt: skip
 
 
@@ -294,6 +300,7 @@ def test_save_then_load_round_trip(tmp_path):
         "reward",
         "optim",
         "eval",
+        "memory",
     ]
 
 
@@ -411,3 +418,28 @@ def test_schedule_conflicts_name_both_fields():
             load_config(None, [f"run.schedule={schedule}", "run.prefix_sms=64"])
     cfg = load_config(None, ["run.schedule=rollplex", "run.prefill_fusion=true", "run.prefix_sms=64"])
     assert cfg.run.prefix_sms == 64
+
+
+@pytest.mark.parametrize(
+    ("override", "needles"),
+    [
+        ("memory.device_budget_gib=-1", ["memory.device_budget_gib", "-1"]),
+        ("memory.chunk_mib=0", ["memory.chunk_mib", ">= 1"]),
+        ("memory.optimizer_offload=always", ["memory.optimizer_offload", "auto, on, off"]),
+        ("memory.reference_paging=never", ["memory.reference_paging", "auto, resident, paged"]),
+        ("memory.offload_activations=sometimes", ["memory.offload_activations"]),
+        ("model.preset=qwen2.5-vl-72b", ["model.preset", "qwen2.5-vl-32b"]),
+    ],
+)
+def test_memory_and_preset_values_are_checked_by_name(override, needles):
+    with pytest.raises(ConfigError) as info:
+        load_config(None, [override])
+    assert all(needle in str(info.value) for needle in needles)
+
+
+def test_model_presets_are_the_models_presets():
+    from rollplex.config import MODEL_PRESETS
+    from rollplex.models.presets import PRESETS
+
+    assert MODEL_PRESETS == PRESETS
+    assert load_config(None, ["model.preset=qwen2.5-vl-7b"]).model.preset == "qwen2.5-vl-7b"
