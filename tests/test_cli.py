@@ -299,7 +299,11 @@ def test_resume_and_overwrite_together_are_refused(capsys):
 
 @pytest.mark.parametrize(
     ("argv", "named"),
-    [([], "{train,data,model,report,bench}"), (["bench"], "{prefix,schedule,decode}"), (["model"], "{init}")],
+    [
+        ([], "{train,data,model,report,bench,plan}"),
+        (["bench"], "{prefix,schedule,decode}"),
+        (["model"], "{init}"),
+    ],
 )
 def test_a_missing_command_is_named_by_its_choices(argv, named, capsys):
     with pytest.raises(SystemExit) as exit_info:

@@ -281,7 +281,7 @@ class ChunkedAdamW:
         self.zero_grad()
         return float(norm)
 
-    def _master_dtype_grads(self) -> list[torch.Tensor | None]:
+    def _master_dtype_grads(self) -> list[_LazyUpcast | None]:
         """Each parameter's gradient in its state dtype (a transient upcast of bf16 ones, made one at a
         time by ``_total_norm``), or None."""
         return [None if p.grad is None else _LazyUpcast(p.grad, state_dtype(p.dtype)) for p in self.params]
@@ -316,7 +316,7 @@ class ChunkedAdamW:
         tensors, opt_state = [], {}
         for piece in live:
             window = slice(piece.offset, piece.offset + piece.numel)
-            grad[window].copy_(self.params[piece.param].grad.view(-1)[piece.start : piece.stop])
+            grad[window].copy_(self.params[piece.param].grad.reshape(-1)[piece.start : piece.stop])
             target = state[0, window] if chunk.shadow else self._flat(piece)
             target.grad = grad[window]
             moments = state[-2:, window]

@@ -41,20 +41,25 @@ class PlanInputs:
     copied_weights: bool = False
 
 
-def architecture(cfg: Config) -> Architecture:
-    """The model's shapes: ``model.path``/config.json, else ``model.preset``.
+def architecture(cfg: Config) -> tuple[Architecture, str]:
+    """The model's shapes and where they were read: ``model.path``/config.json when ``model.path`` is a
+    folder, else ``model.preset``.
 
     Raises:
-        ValueError: neither is set, or ``model.path`` is set but not a folder with a config.json.
+        ValueError: the folder has no config.json, or ``model.path`` is not a folder and no preset is set.
     """
-    if cfg.model.path:
-        config = Path(cfg.model.path) / "config.json"
+    folder = Path(cfg.model.path) if cfg.model.path else None
+    if folder is not None and folder.is_dir():
+        config = folder / "config.json"
         if not config.is_file():
-            raise ValueError(f"model.path={cfg.model.path!r} is not a checkpoint folder with a config.json")
-        return Architecture.from_hf_config(json.loads(config.read_text()))
+            raise ValueError(f"model.path={cfg.model.path!r} has no config.json")
+        return Architecture.from_hf_config(json.loads(config.read_text())), str(config)
     if cfg.model.preset:
-        return Architecture.from_preset(cfg.model.preset)
-    raise ValueError("rollplex plan needs model.path (a checkpoint folder) or model.preset")
+        return Architecture.from_preset(cfg.model.preset), f"preset {cfg.model.preset}"
+    where = f"model.path={cfg.model.path!r} is not a folder" if cfg.model.path else "model.path is empty"
+    raise ValueError(
+        f"rollplex plan reads the model's shapes from a checkpoint folder or a preset: {where} and model.preset is not set"
+    )
 
 
 def _schedule(cfg: Config) -> tuple[str, bool]:
@@ -147,10 +152,10 @@ def _available_host_gib() -> float:
 
 def plan_config(cfg: Config, inputs: PlanInputs) -> tuple[MemoryPlan, dict]:
     """The plan of ``cfg`` and a description of what it was computed for."""
-    arch, work, lay = architecture(cfg), workload(cfg, inputs), layout(cfg, inputs)
+    (arch, source), work, lay = architecture(cfg), workload(cfg, inputs), layout(cfg, inputs)
     plan = plan_memory(arch, work, budget(cfg, inputs, lay.world), lay)
     described = {
-        "model": cfg.model.path or cfg.model.preset,
+        "model": source,
         "parameters": arch.parameters(),
         "workload": dataclasses.asdict(work),
         "layout": dataclasses.asdict(lay),

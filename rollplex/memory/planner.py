@@ -14,8 +14,8 @@ dim; ``memory.shapes`` counts parameters):
 - grads: trainable parameters at t · b (rollplex keeps gradients in the parameters' dtype).
 - rollout_kv: 2·L·kv_r·hd·b per token, for G_r·P prompt tokens (once per group; none under prefill
   fusion, where the actor's boundary KV seeds decode) and G_r·N·R own keys.
-- decode_graphs: decode's concatenated q/k/v and gate/up copies at r (``rollout.fused_projections``)
-  plus the sampling buffers, G_r·N rows · ⌈V/r⌉ · 4 bytes · 2.
+- decode_graphs: decode's concatenated q/k/v and gate/up copies at r (``rollout.fused_projections``;
+  none where the layout makes them views) plus the sampling buffers, G_r·N rows · ⌈V/r⌉ · 4 bytes · 2.
 - boundary_kv: 2·L·kv_t·hd·b per prompt token and the last position's log-probs (⌈V/t⌉·4 bytes), per
   role (actor, and reference with KL): every G_t group from Phase 1 to its suffix under the rollplex
   schedule; under serial all G_t groups for the reference's scoring and m groups for the actor.
@@ -99,7 +99,9 @@ class Workload:
         gradient_checkpointing: layer inputs kept, the rest recomputed in backward.
         reference: a reference model is scored (KL coefficient > 0).
         freeze_vision: the vision tower and merger are not trained.
-        fused_projections: decode keeps concatenated q/k/v and gate/up copies.
+        fused_projections: decode runs q/k/v and gate/up as one product each (``rollout.fused_projections``).
+        fused_views: those concatenations are views of the weights (a layout that stores them so), not
+            copies.
         dtype_bytes: bytes per element of the model dtype (2 = bf16; 4 = float32, its own master).
     """
 
@@ -115,6 +117,7 @@ class Workload:
     reference: bool = True
     freeze_vision: bool = False
     fused_projections: bool = True
+    fused_views: bool = False
     dtype_bytes: int = 2
 
     def check(self) -> None:
@@ -414,7 +417,7 @@ def _rollout_kv(s: _Shapes) -> int:
 
 
 def _decode_buffers(s: _Shapes, rollout) -> int:
-    copies = rollout.qkv_gate_up * s.b if s.work.fused_projections else 0
+    copies = rollout.qkv_gate_up * s.b if s.work.fused_projections and not s.work.fused_views else 0
     rows = s.groups_rollout * s.work.group_size
     return copies + rows * -(-s.arch.vocab // s.layout.tp_rollout) * 4 * 2
 
@@ -646,7 +649,8 @@ def _offload_activations(s: _Shapes, sizes, place: _Placement, excess: float = 0
 def _move_optimizer(s: _Shapes, sizes, place: _Placement, excess: float) -> bool:
     """More optimizer chunks to the host: enough for ``excess`` bytes (all for inf), within host room."""
     chunks, per_chunk = _optimizer_chunks(s, sizes)
-    room = max(0, int(_host_room(s, sizes, place) // (per_chunk + ALIGNMENT)))
+    free = _host_room(s, sizes, place)
+    room = chunks if math.isinf(free) else max(0, int(free // (per_chunk + ALIGNMENT)))
     wanted = chunks if math.isinf(excess) else -(-int(excess) // per_chunk)
     add = min(chunks - place.optimizer_chunks, wanted, room)
     if add <= 0:

@@ -43,12 +43,19 @@ def test_a_checkpoint_folder_gives_the_presets_architecture(tmp_path, config):
     folder = tmp_path / "ckpt"
     folder.mkdir()
     (folder / "config.json").write_text(json.dumps(preset_config("qwen2.5-vl-3b").to_dict()))
-    cfg = load_config(config, [f"model.path={folder}", "model.preset="])
-    assert architecture(cfg) == Architecture.from_preset("qwen2.5-vl-3b")
-    with pytest.raises(ValueError, match="model.path='.*nowhere' is not a checkpoint folder"):
-        architecture(load_config(config, [f"model.path={tmp_path / 'nowhere'}"]))
-    with pytest.raises(ValueError, match="needs model.path .* or model.preset"):
+    arch, source = architecture(load_config(config, [f"model.path={folder}", "model.preset=tiny"]))
+    assert arch == Architecture.from_preset("qwen2.5-vl-3b") and source == str(folder / "config.json")
+    arch, source = architecture(load_config(config, [f"model.path={tmp_path / 'nowhere'}"]))
+    assert source == "preset qwen2.5-vl-3b"  # not a folder: the preset
+    with pytest.raises(
+        ValueError, match="model.path='.*nowhere' is not a folder and model.preset is not set"
+    ):
+        architecture(load_config(config, [f"model.path={tmp_path / 'nowhere'}", "model.preset="]))
+    with pytest.raises(ValueError, match="model.path is empty and model.preset is not set"):
         architecture(load_config(config, ["model.preset="]))
+    (folder / "config.json").unlink()
+    with pytest.raises(ValueError, match="has no config.json"):
+        architecture(load_config(config, [f"model.path={folder}"]))
 
 
 def test_a_flat_config_json_of_transformers_4_reads_the_same():
@@ -65,7 +72,9 @@ def test_text_and_json(config):
     cfg = load_config(config)
     text = plan_text(cfg, PlanInputs(prompt_tokens=3920, vision_tokens=3520))
     first, header = text.splitlines()[:2]
-    assert first.startswith("qwen2.5-vl-3b (3.75B parameters), serial schedule: G=8 groups of N=8, P=3920")
+    assert first.startswith(
+        "preset qwen2.5-vl-3b (3.75B parameters), serial schedule: G=8 groups of N=8, P=3920"
+    )
     assert header.split()[0] == "state" and "budget 72.0 GiB" in text
     out = json.loads(plan_text(cfg, PlanInputs(), as_json=True))
     assert {"inputs", "naive_gib", "planned_peak_gib", "fits", "rows"} <= out.keys()

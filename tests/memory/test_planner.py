@@ -290,3 +290,16 @@ def test_chunked_optimizer_takes_the_planned_host_chunks():
     chosen = host_chunks_for(layout, plan.optimizer_host_bytes)
     assert sum(layout[i].nbytes for i in chosen) == plan.optimizer_host_bytes
     assert host_state_bytes(layout, chosen) <= plan.host_pool_bytes
+
+
+@pytest.mark.parametrize(
+    ("change", "copies"), [({}, 1600), ({"fused_projections": False}, 0), ({"fused_views": True}, 0)]
+)
+def test_decode_keeps_weight_copies_only_where_they_are_copies(change, copies):
+    got = _bytes(plan_memory(TOY, dataclasses.replace(WORK, **change), _budget(10**9)))
+    assert got["decode_graphs"]["rollout"] == copies + 640
+
+
+def test_an_unbounded_host_budget():
+    plan = plan_memory(TOY, WORK, Budget(device_gib=30000 / GIB, chunk_mib=KIB, workspace_gib=0))
+    assert plan.fits and plan.optimizer_host_bytes == 5 * 3072
