@@ -1,4 +1,4 @@
-"""``rollplex`` command line: ``train``, ``data synth``, ``model init``, ``report``, ``bench``.
+"""``rollplex`` command line: ``train``, ``data synth``, ``model init``, ``report``, ``bench``, ``plan``.
 
 Each handler imports what it runs inside its body, so ``rollplex --help`` loads no torch and a missing
 or broken component fails only its own command. User errors (``ValueError`` and its subclasses such as
@@ -16,6 +16,7 @@ Examples:
     rollplex bench schedule --out results/schedule.json
     rollplex bench decode --out results/decode.json
     rollplex bench profile --out results/profile.json
+    rollplex plan configs/paper-32b.yaml --json
 """
 
 from __future__ import annotations
@@ -483,6 +484,55 @@ def _add_model(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(handler=_model_init)
 
 
+def _plan(args: argparse.Namespace) -> None:
+    from rollplex.config import load_config
+    from rollplex.memory.plan_command import PlanInputs, plan_text
+
+    config, overrides = split_train_args(args.items)
+    if config is None:
+        raise ValueError("rollplex plan needs a config file first (CONFIG.yaml), then key=value overrides")
+    names = ("prompt_tokens", "vision_tokens", "device_gib")
+    inputs = PlanInputs(**_options(args, names), copied_weights=args.copied_weights)
+    print(plan_text(load_config(config, overrides), inputs, as_json=args.json))
+
+
+def _add_plan(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "plan",
+        help="print what state lives where in each phase, in GiB per GPU, without running anything",
+        description=(
+            "Print the memory plan of a run config from shapes alone: every class of state per phase,\n"
+            "where it lives (device or pinned host pool), the naive all-resident total, the planned peak\n"
+            "against memory.device_budget_gib, and the moves that make it fit (or what to change)."
+        ),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument(
+        "items", nargs="+", metavar="ITEM", help="a config file (CONFIG.yaml), then key=value overrides"
+    )
+    p.add_argument("--json", action="store_true", help="print the plan as one JSON object")
+    p.add_argument(
+        "--prompt-tokens", type=_at_least(1), help="prompt length P (default data.max_prompt_tokens)"
+    )
+    p.add_argument(
+        "--vision-tokens",
+        type=_at_least(0),
+        help="vision tokens per prompt (default: the largest video data.video_max_frames and "
+        "data.video_max_pixels allow, at most P)",
+    )
+    p.add_argument(
+        "--device-gib",
+        type=float,
+        help="device capacity, GiB, for memory.device_budget_gib=0 (default: CUDA device 0's)",
+    )
+    p.add_argument(
+        "--copied-weights",
+        action="store_true",
+        help="rollout keeps its own copy of the actor weights (default: one shared physical copy)",
+    )
+    p.set_defaults(handler=_plan)
+
+
 def _add_report(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "report",
@@ -498,13 +548,13 @@ def _add_report(sub: argparse._SubParsersAction) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The ``rollplex`` argument parser with its five commands."""
+    """The ``rollplex`` argument parser with its six commands."""
     parser = argparse.ArgumentParser(
         prog="rollplex", description="Synchronous on-policy GRPO post-training of Qwen2.5-VL models."
     )
     parser.add_argument("--version", action="version", version=f"rollplex {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
-    for add in (_add_train, _add_data, _add_model, _add_report, _add_bench):
+    for add in (_add_train, _add_data, _add_model, _add_report, _add_bench, _add_plan):
         add(sub)
     _name_choices(sub)
     return parser
@@ -531,9 +581,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     """
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
-    listed = {"train": "items", "bench": "overrides"}.get(args.command)
+    listed = {"train": "items", "plan": "items", "bench": "overrides"}.get(args.command)
     if extra and listed is not None and all("=" in item for item in extra):
-        # key=value overrides may follow options (--resume, --out ...)
+        # key=value overrides may follow options (--resume, --json, --out ...)
         setattr(args, listed, [*getattr(args, listed), *extra])
     elif extra:
         parser.error(f"unrecognized arguments: {' '.join(extra)}")

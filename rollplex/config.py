@@ -1,9 +1,9 @@
 """Typed run configuration: declared once, validated at load.
 
-A ``Config`` has eleven sections (``run``, ``schedule``, ``model``, ``data``, ``rollout``, ``algo``,
-``reward``, ``optim``, ``eval``, ``logging``, ``parallel``), each a keyword-only dataclass. Every field has a default
-and a one-line description with units in ``dataclasses.field(metadata={"help": ...})``; range limits and
-choices sit in the same metadata, so ``rollplex train --help-config`` and the validator read one table.
+A ``Config`` has twelve sections (``run``, ``schedule``, ``model``, ``data``, ``rollout``, ``algo``,
+``reward``, ``optim``, ``eval``, ``logging``, ``parallel``, ``memory``), each a keyword-only dataclass.
+Every field has a default and a one-line description with units in
+``dataclasses.field(metadata={"help": ...})``; range limits and choices sit in the same metadata, so ``rollplex train --help-config`` and the validator read one table.
 
 Load order (later wins): dataclass defaults → ``base`` (a nested dict, e.g. the embedded default run)
 → the YAML file → ``key=value`` overrides with dotted keys (``rollout.group_size=4``, values parsed as
@@ -63,6 +63,14 @@ SCHEDULES = ("serial", "rollplex", "auto")  # schedule.kind (schedule.make_step)
 # model.suffix_attention (models.forward.suffix_backend; auto = the device and dtype's default)
 SUFFIX_ATTENTION = ("auto", "dense", "causal", "cascade", "sdpa", "flex")
 CASCADE_KERNELS = ("math", "flash", "cudnn")  # model.cascade_kernels (models.attention.ATTENTION_KERNELS)
+MODEL_PRESETS = (
+    "tiny",
+    "qwen2.5-vl-3b",
+    "qwen2.5-vl-7b",
+    "qwen2.5-vl-32b",
+    "tiny-tp",
+)  # models.presets.PRESETS
+AUTO_ON_OFF = ("auto", "on", "off")
 
 
 @dataclass(kw_only=True)
@@ -195,6 +203,11 @@ class ModelConfig:
         "with suffix_attention cascade: the kernels of its boundary and own-key parts, BOUNDARY,OWN, each "
         "one of math|flash|cudnn (e.g. cudnn,flash); auto = cudnn,flash on CUDA in bf16/fp16 (flash,flash "
         "under run.deterministic), math,math elsewhere",
+    )
+    preset: str = _field(
+        "",
+        "model preset whose shapes rollplex plan reads when model.path is empty; '' = none",
+        choices=("", *MODEL_PRESETS),
     )
 
 
@@ -434,6 +447,54 @@ LOGGING_PACKAGES = {"tensorboard": ("tensorboard", "tensorboard"), "wandb": ("wa
 
 
 @dataclass(kw_only=True)
+class MemoryConfig:
+    """Device and host memory budgets and where state lives (memory.planner, paper §3.2)."""
+
+    device_budget_gib: float = _field(
+        0.0, "device memory the plan may use per GPU, GiB; 0 = the device's capacity less margin_gib", ge=0
+    )
+    margin_gib: float = _field(
+        4.0,
+        "device memory an automatic budget leaves for the CUDA context, allocator fragmentation and what "
+        "the plan does not count, GiB",
+        ge=0,
+    )
+    workspace_gib: float = _field(
+        1.0, "device memory planned for library workspaces and CUDA graph pools in every phase, GiB", ge=0
+    )
+    host_budget_gib: float = _field(
+        0.0,
+        "pinned host memory the pool may take per GPU process, GiB; 0 = the host's available memory shared "
+        "among its GPU processes, less host_margin_gib",
+        ge=0,
+    )
+    host_margin_gib: float = _field(
+        16.0, "host memory an automatic host budget leaves to the process and the system, GiB", ge=0
+    )
+    chunk_mib: int = _field(
+        128, "optimizer chunk: MiB of FP32 master weights updated (and streamed) at a time", ge=1
+    )
+    optimizer_offload: str = _field(
+        "auto",
+        "FP32 master weights and Adam moments in the pinned host pool, streamed through the GPU at the step: "
+        "auto (as many chunks as the budget needs), on (all), off (none)",
+        choices=AUTO_ON_OFF,
+    )
+    reference_paging: str = _field(
+        "auto",
+        "reference weights: auto (paged when the budget needs it), resident (always on the device), paged "
+        "(on the device only while the reference prefixes and scoring run)",
+        choices=("auto", "resident", "paged"),
+    )
+    offload_activations: str = _field(
+        "auto",
+        "rollplex schedule: the actor prefix's saved tensors go to the pinned host pool as they are produced "
+        "and come back for the backward: auto (when the budget needs it), on, off",
+        choices=AUTO_ON_OFF,
+    )
+
+
+@dataclass(kw_only=True)
 class Config:
     """The whole run configuration; see each section's fields."""
 
@@ -448,6 +509,7 @@ class Config:
     eval: EvalConfig = field(default_factory=EvalConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    memory: MemoryConfig = field(default_factory=MemoryConfig)
 
 
 class _YamlLoader(yaml.SafeLoader):

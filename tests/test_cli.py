@@ -302,7 +302,7 @@ def test_resume_and_overwrite_together_are_refused(capsys):
 @pytest.mark.parametrize(
     ("argv", "named"),
     [
-        ([], "{train,data,model,report,bench}"),
+        ([], "{train,data,model,report,bench,plan}"),
         (["bench"], "{prefix,schedule,decode,profile}"),
         (["model"], "{init}"),
     ],

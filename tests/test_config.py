@@ -50,6 +50,7 @@ SPEC_DEFAULTS = {
         "compile_scope": "layer",
         "suffix_attention": "auto",
         "cascade_kernels": "auto",
+        "preset": "",
     },
     "data": {
         "train_path": "", "val_path": "", "data_root": "", "template": "video_r1", "max_prompt_tokens": 8192,
@@ -88,6 +89,11 @@ SPEC_DEFAULTS = {
     "eval": {"every": 0, "num_prompts": 64, "temperature": 0.0},
     "logging": {"tensorboard": False, "wandb": False, "wandb_project": "rollplex"},
     "parallel": {"dp": 1, "tp_train": 1, "tp_rollout": 1, "placement": "colocated", "rollout_gpus": 0},
+    "memory": {
+        "device_budget_gib": 0.0, "margin_gib": 4.0, "workspace_gib": 1.0, "host_budget_gib": 0.0,
+        "host_margin_gib": 16.0, "chunk_mib": 128, "optimizer_offload": "auto", "reference_paging": "auto",
+        "offload_activations": "auto",
+    },
 }  # fmt: skip
 
 
@@ -262,6 +268,7 @@ def test_save_then_load_round_trip(tmp_path):
         "eval",
         "logging",
         "parallel",
+        "memory",
     ]
 
 
@@ -415,3 +422,28 @@ def test_every_config_file_of_the_repository_loads():
     assert files
     for path in files:
         load_config(path)
+
+
+@pytest.mark.parametrize(
+    ("override", "needles"),
+    [
+        ("memory.device_budget_gib=-1", ["memory.device_budget_gib", "-1"]),
+        ("memory.chunk_mib=0", ["memory.chunk_mib", ">= 1"]),
+        ("memory.optimizer_offload=always", ["memory.optimizer_offload", "auto, on, off"]),
+        ("memory.reference_paging=never", ["memory.reference_paging", "auto, resident, paged"]),
+        ("memory.offload_activations=sometimes", ["memory.offload_activations"]),
+        ("model.preset=qwen2.5-vl-72b", ["model.preset", "qwen2.5-vl-32b"]),
+    ],
+)
+def test_memory_and_preset_values_are_checked_by_name(override, needles):
+    with pytest.raises(ConfigError) as info:
+        load_config(None, [override])
+    assert all(needle in str(info.value) for needle in needles)
+
+
+def test_model_presets_are_the_models_presets():
+    from rollplex.config import MODEL_PRESETS
+    from rollplex.models.presets import PRESETS
+
+    assert MODEL_PRESETS == PRESETS
+    assert load_config(None, ["model.preset=qwen2.5-vl-7b"]).model.preset == "qwen2.5-vl-7b"
