@@ -1,11 +1,16 @@
 #!/usr/bin/env bash
 # GPU tests and benchmarks in one call. Run it from the repository root: benchmarks/gpu_suite.sh [tests]
-# [train] [prefix] [decode] [schedule] [profile] [same] [same-det] (no argument = all but the last three;
+# [train] [prefix] [decode] [schedule] [profile] [same] [same-det] [memory] [memory-det] [memory-tests]
+# [memory-7b] (no argument = the first five;
 # prefix: rollplex bench prefix, then the suffix attention per backend by
 # benchmarks/scripts/suffix_attention_probe.py; profile: rollplex bench profile, one serial GRPO step
 # profiled, idle time by launcher; same: whether each schedule's update is serial's, and serial's its own
 # from run to run; same-det: the same with torch's deterministic algorithms; tests: much of its time is
-# compiling).
+# compiling; memory: serial, both and auto under memory.device_budget_gib=$MEMORY_BUDGET (default 72:
+# the plan an 80 GB card needs) and serial under 40 GiB, MEMORY_ROWS and MEMORY_ARGS to change them;
+# memory-det: with deterministic algorithms, every memory mechanism forced on against everything
+# resident, on a small workload; memory-tests: the memory layer's GPU tests; memory-7b: the 7B model,
+# serial and both, 3 steps).
 # Results go under $OUT (default ./gpu-results): logs, metrics and JSON tables.
 # GPU_TESTS picks the test paths of the tests stage (default: all the GPU tests), e.g. to run it in two
 # parts: GPU_TESTS="tests/numerics tests/schedule tests/rollout", then
@@ -16,15 +21,15 @@
 # (benchmarks/README.md shows how to download them there).
 # Python: the python3 on PATH (activate the environment that has torch first).
 set -uo pipefail
-usage() { sed -n '2,17p' "$0" | sed 's/^# \{0,1\}//'; }
+usage() { sed -n '2,22p' "$0" | sed 's/^# \{0,1\}//'; }
 gpu_tests="tests/numerics tests/schedule tests/rollout tests/models tests/bench/test_fingerprint.py"
 gpu_tests="$gpu_tests tests/bench/test_profile_bench.py"
 stages=${*:-tests train prefix decode schedule}
 for stage in $stages; do
   case $stage in
     -h|--help) usage; exit 0 ;;
-    tests|train|prefix|decode|profile|schedule|same|same-det) ;;
-    *) echo "gpu_suite.sh: error: unknown stage '$stage' (expected tests, train, prefix, decode, schedule, profile, same, same-det)" >&2
+    tests|train|prefix|decode|profile|schedule|same|same-det|memory|memory-det|memory-tests|memory-7b) ;;
+    *) echo "gpu_suite.sh: error: unknown stage '$stage' (expected tests, train, prefix, decode, schedule, profile, same, same-det, memory, memory-det, memory-tests, memory-7b)" >&2
        exit 2 ;;
   esac
 done
@@ -79,6 +84,24 @@ for stage in $stages; do
     same-det)
       rollplex bench schedule --deterministic --rows serial,serial-again,both --warmup 2 --steps 2 \
         --out "$OUT/same-deterministic.json" 2>&1 | tee "$OUT/same-deterministic.log" || status=1 ;;
+    memory)
+      rows=${MEMORY_ROWS:-serial,both,auto,serial-40gib}
+      echo "rollplex bench schedule --rows $rows --warmup 1 --steps 2 --auto-trials 1 --no-compare memory.device_budget_gib=${MEMORY_BUDGET:-72} ${MEMORY_ARGS:-}" | tee "$OUT/memory.cmd"
+      # shellcheck disable=SC2086
+      rollplex bench schedule --rows "$rows" --warmup 1 --steps 2 --auto-trials 1 --no-compare \
+        memory.device_budget_gib="${MEMORY_BUDGET:-72}" ${MEMORY_ARGS:-} --out "$OUT/memory.json" 2>&1 \
+        | tee "$OUT/memory.log" || status=1 ;;
+    memory-det)
+      rollplex bench schedule --deterministic --groups 2 --response-tokens 64 \
+        --rows serial,serial-resident,both,both-resident --warmup 1 --steps 1 \
+        memory.optimizer_offload=on memory.reference_paging=paged memory.offload_activations=on \
+        memory.chunk_mib=64 --out "$OUT/memory-det.json" 2>&1 | tee "$OUT/memory-det.log" || status=1 ;;
+    memory-tests)
+      python3 -m pytest -q -p no:cacheprovider -m gpu tests/memory 2>&1 | tee "$OUT/memory-tests.log" \
+        || status=1 ;;
+    memory-7b)
+      rollplex bench schedule --preset qwen2.5-vl-7b --rows serial,both --warmup 1 --steps 2 --no-compare \
+        ${MEMORY_ARGS:-} --out "$OUT/memory-7b.json" 2>&1 | tee "$OUT/memory-7b.log" || status=1 ;;
     schedule)
       name=${SCHEDULE_NAME:-bench-schedule}
       args=${SCHEDULE_ARGS:-}

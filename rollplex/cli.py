@@ -197,6 +197,7 @@ def _bench_schedule(args: argparse.Namespace) -> int:
         "fused_sampling",
         "fused_gate",
         "deterministic",
+        "compare",
     )
     options = _options(args, (*WORKLOAD_FIELDS, *extra))
     options["overrides"] = tuple(args.overrides)
@@ -366,6 +367,12 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
         default=None,
         help="torch's deterministic algorithms for the whole run (run.deterministic), so that rows can be "
         "compared bitwise (slower steps: benchmarks/README.md)",
+    )
+    p.add_argument(
+        "--compare",
+        action=argparse.BooleanOptionalAction,
+        help="compare each row's update with its baseline row's (default on; --no-compare keeps no host "
+        "copies of weights and updates: times and memory only, for the largest models)",
     )
     p.add_argument(
         "--decode-attention",

@@ -648,12 +648,20 @@ def _check_limits(path: str, value: Any, meta: typing.Mapping) -> None:
         raise ConfigError(f"{path}={value!r} must be < {meta['lt']}")
 
 
+def _on_off(value: Any, meta: typing.Mapping) -> Any:
+    """YAML reads an unquoted ``on`` / ``off`` as true / false: for a field whose choices are the words,
+    the boolean means the word."""
+    if isinstance(value, bool) and {"on", "off"} <= set(meta["choices"] or ()):
+        return "on" if value else "off"
+    return value
+
+
 def _build_section(name: str, cls: type, values: dict) -> Any:
     hints = typing.get_type_hints(cls)
     kwargs = {}
     for f in dataclasses.fields(cls):
         path = f"{name}.{f.name}"
-        kwargs[f.name] = _coerce(path, values[f.name], hints[f.name])
+        kwargs[f.name] = _coerce(path, _on_off(values[f.name], f.metadata), hints[f.name])
         _check_limits(path, kwargs[f.name], f.metadata)
     return cls(**kwargs)
 

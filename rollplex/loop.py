@@ -41,12 +41,22 @@ from rollplex.data.loader import PromptSource
 from rollplex.data.records import load_records
 from rollplex.data.vision import ImageSampling, VideoSampling
 from rollplex.determinism import use_deterministic_algorithms
+from rollplex.memory.planner import MemoryPlan
+from rollplex.memory.runtime import (
+    MemoryRuntime,
+    build_memory,
+    enforce_budget,
+    plan_run,
+    refuse_unless_fits,
+)
+from rollplex.memory.runtime import step_metrics as memory_metrics
 from rollplex.models.compiled import compile_fallback, compiles_layers
 from rollplex.models.folder import check_model_folder
 from rollplex.models.forward import enable_checkpointing, prepare_model, suffix_backend
 from rollplex.models.positions import VisionTokens
 from rollplex.observe.metrics import (
     TRACE_FILE,
+    CounterSample,
     GcClock,
     PhaseTimer,
     ProgressBar,
@@ -54,7 +64,7 @@ from rollplex.observe.metrics import (
     write_chrome_trace,
 )
 from rollplex.observe.sinks import MetricSinks
-from rollplex.optim import MasterWeightAdamW, learning_rate
+from rollplex.optim import learning_rate
 from rollplex.phases import ActorStats, Roles, rollout_phase, uses_temporal
 from rollplex.rollout.engine import SamplingParams
 from rollplex.schedule import make_step
@@ -148,6 +158,7 @@ class Run:
     step_fn: Callable | None = None  # the schedule's step (schedule.make_step); set by build_run
     val_malformed: int = 0  # malformed held-out records (skipped at load)
     updates_skipped: int = 0  # optimizer updates dropped for a gradient norm that is not finite, whole run
+    memory: MemoryRuntime | None = None  # the plan and residency (memory.runtime); set by build_run
 
 
 def _check_suffix_attention(cfg: Config) -> str:
@@ -163,13 +174,16 @@ def _check_suffix_attention(cfg: Config) -> str:
     return suffix_backend(device, dtype, cfg.model.suffix_attention)
 
 
-def build_run(cfg: Config) -> Run:
+def build_run(cfg: Config, plan: MemoryPlan | None = None) -> Run:
     """Models, optimizer, sampling and data of a run (from ``cfg``, checked by ``train`` before; no
-    checkpoint applied)."""
+    checkpoint applied), its memory as ``plan`` says (``memory.runtime``; default: ``plan_run``'s),
+    with the device budget enforced before the models load."""
     from transformers import AutoProcessor
 
     device = torch.device(resolve_device(cfg.run))
     dtype = resolve_dtype(cfg.run, device.type)
+    plan = plan if plan is not None else plan_run(cfg, device)
+    enforce_budget(plan.budget_gib, device)
     seed_everything(cfg.run.seed)
     if cfg.run.deterministic:
         use_deterministic_algorithms()
@@ -191,9 +205,19 @@ def build_run(cfg: Config) -> Run:
         reference = load_model(cfg.model.path, dtype, device, trainable=False, **vision)
     banned, eos_ids, pad = special_ids(actor, processor.tokenizer, cfg.model.path)
     sampling = SamplingParams.from_config(cfg.rollout, eos_ids, pad, banned.to(device))
-    optimizer = MasterWeightAdamW.for_model(actor, cfg.optim)
+    memory = build_memory(plan, cfg, device, actor, reference)
     generator = torch.Generator(device=device).manual_seed(cfg.run.seed)
-    roles = Roles(actor, reference, optimizer, processor.tokenizer, sampling, generator, cfg)
+    roles = Roles(
+        actor,
+        reference,
+        memory.optimizer,
+        processor.tokenizer,
+        sampling,
+        generator,
+        cfg,
+        residency=memory.residency,
+        offload=memory.offload,
+    )
     train_source, malformed = build_source(
         cfg,
         cfg.data.train_path,
@@ -217,6 +241,7 @@ def build_run(cfg: Config) -> Run:
         device,
         step_fn,
         val_malformed,
+        memory=memory,
     )
 
 
@@ -388,6 +413,8 @@ def train(cfg: Config, resume: bool = False, overwrite: bool = False) -> Path:
     check_model_folder(cfg.model.path)  # before anything loads from it, and before --overwrite clears
     check_reward_config(cfg.reward)
     backend = _check_suffix_attention(cfg)
+    plan = plan_run(cfg, torch.device(resolve_device(cfg.run)))  # shapes only
+    refuse_unless_fits(plan)  # before step 1, and before --overwrite clears anything
     _claim_run_dir(Path(cfg.run.out_dir), resume, overwrite)
     ckpt = _resume_checkpoint(Path(cfg.run.out_dir)) if resume else None  # before anything is written or said
     chosen = (
@@ -396,7 +423,8 @@ def train(cfg: Config, resume: bool = False, overwrite: bool = False) -> Path:
     log.info("suffix attention (how responses attend to their prompt's keys): %s, %s", backend, chosen)
     for why, fields in ignored_fields(cfg).items():
         log.warning("%s set, but %s: ignored", ", ".join(fields), why)
-    run = build_run(cfg)
+    log.info("memory plan, GiB per GPU (h = in the pinned host pool):\n%s", plan.table())
+    run = build_run(cfg, plan)
     step = 0
     if ckpt is not None:
         step = restore(run, ckpt)
@@ -447,7 +475,7 @@ def train(cfg: Config, resume: bool = False, overwrite: bool = False) -> Path:
                         keep=cfg.run.keep_checkpoints,
                     )
                 # a killed run keeps its trace
-                write_chrome_trace(timer.spans, trace_path, earlier_trace, resume_step)
+                write_chrome_trace(timer.spans, trace_path, earlier_trace, resume_step, _memory_counters(run))
     # the last step always saves a checkpoint, and with it the trace
     _summary(run, first_eval, record, time.perf_counter() - started)
     return run.run_dir
@@ -522,9 +550,23 @@ def _train_step(run: Run, step: int, timer: PhaseTimer, gc_clock: GcClock) -> di
             len(norms),
         )
     record["skipped_samples"] = len(run.train.skipped) + run.malformed
-    record["lr"] = run.roles.optimizer.inner.param_groups[0]["lr"]
+    record["lr"] = run.roles.optimizer.lr
     record.update(step_memory(run.device))
+    if run.memory is not None:
+        record.update(memory_metrics(run.memory))
     return record
+
+
+def _memory_counters(run: Run) -> list[CounterSample]:
+    """The residency manager's samples (each window's start) as two counter tracks of the trace: GiB on
+    the device and in the host pool, per state class."""
+    if run.memory is None:
+        return []
+    out = []
+    for sample in run.memory.residency.samples:
+        for track, values in (("device GiB", sample.device), ("host pool GiB", sample.host)):
+            out.append(CounterSample(track, sample.time, {k: v / 2**30 for k, v in values.items()}))
+    return out
 
 
 def step_memory(device: torch.device) -> dict[str, float]:

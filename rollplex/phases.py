@@ -24,6 +24,9 @@ from rollplex.algo.kl import kl_penalty
 from rollplex.algo.losses import aggregate, policy_loss
 from rollplex.algo.rewards import accuracy_range, add_temporal_bonus, compute_rewards, temporal_reward_name
 from rollplex.config import Config, reward_weights, temporal_samples
+from rollplex.memory.chunked_adamw import ChunkedAdamW
+from rollplex.memory.residency import Residency
+from rollplex.memory.saved_offload import SavedTensorOffload
 from rollplex.models.attention import SuffixAttention
 from rollplex.models.forward import (
     AUTO_SUFFIX_ATTENTION,
@@ -34,7 +37,6 @@ from rollplex.models.forward import (
     suffix_logprobs,
 )
 from rollplex.models.transfer import to_device
-from rollplex.optim import MasterWeightAdamW
 from rollplex.rollout.engine import SamplingParams, generate
 from rollplex.types import PrefixState, Prompt, RolloutBatch, ScoredBatch, ShuffledAccuracy
 
@@ -44,15 +46,20 @@ log = logging.getLogger(__name__)
 @dataclass
 class Roles:
     """What the phases run on: the actor (trained, also read by rollout), the frozen reference, the
-    optimizer, the tokenizer, sampling settings and the sampling generator."""
+    optimizer, the tokenizer, sampling settings and the sampling generator; and where state lives:
+    ``residency`` (memory.residency: the reference paged around the windows that read it; None = every
+    class resident, nothing moved) and ``offload`` (memory.saved_offload: the actor prefixes' saved
+    tensors in the host pool between Phase 1 and their backward; None = kept on the device)."""
 
     actor: torch.nn.Module
     reference: torch.nn.Module | None
-    optimizer: MasterWeightAdamW
+    optimizer: ChunkedAdamW
     tokenizer: object
     sampling: SamplingParams
     generator: torch.Generator
     config: Config
+    residency: Residency | None = None
+    offload: SavedTensorOffload | None = None
 
     @property
     def banned_ids(self) -> torch.Tensor:
@@ -83,14 +90,42 @@ def rollout_prefix(roles: Roles, prompts: list[Prompt], sampling: SamplingParams
     )
 
 
-def actor_prefixes(roles: Roles, prompts: list[Prompt]) -> list[PrefixState]:
+def enter_window(roles: Roles, window: str) -> None:
+    """The step enters ``window`` (memory.windows: rollout, scoring, backward, update): the residency
+    manager pages state in or out as its plan says (no-op without one)."""
+    if roles.residency is not None:
+        roles.residency.enter(window)
+
+
+def end_step(roles: Roles) -> None:
+    """The step is over: the host pool's per-step arenas are reused by the next one."""
+    if roles.residency is not None:
+        roles.residency.end_step()
+
+
+def _reference_ready(roles: Roles) -> None:
+    """Order the current stream after the reference's page-in, where it is paged (before its first read)."""
+    if roles.residency is not None and "reference" in roles.residency.pages:
+        roles.residency.wait("reference")
+
+
+def actor_prefixes(roles: Roles, prompts: list[Prompt], first: int = 0) -> list[PrefixState]:
     """The attached actor prefix of every group under θ_k, one state per group (each with its own graph,
-    so a micro-batch's backward reaches only its groups' prefixes)."""
-    return _group_prefixes(roles, roles.actor, prompts, attached=True)
+    so a micro-batch's backward reaches only its groups' prefixes). With ``roles.offload``, what each
+    group's prefix saves for its backward goes to the host pool as it is produced, under the group's
+    index in the step (``first`` + its position in ``prompts``); ``actor_backward`` brings it back."""
+    if roles.offload is None:
+        return _group_prefixes(roles, roles.actor, prompts, attached=True)
+    states = []
+    for g, prompt in enumerate(prompts, start=first):
+        with roles.offload.group(g):
+            states += _group_prefixes(roles, roles.actor, [prompt], attached=True)
+    return states
 
 
 def reference_prefixes(roles: Roles, prompts: list[Prompt]) -> list[PrefixState]:
     """The detached reference prefix of every group, one state per group."""
+    _reference_ready(roles)
     return _group_prefixes(roles, roles.reference, prompts, attached=False)
 
 
@@ -217,6 +252,7 @@ def reference_phase(roles: Roles, scored: ScoredBatch, prefix: PrefixState | Non
     reference ``prefix`` when it was computed earlier."""
     if not uses_reference(roles):
         return scored
+    _reference_ready(roles)
     rollout = scored.rollout
     scored.ref_logprobs = score(
         roles.reference,
@@ -269,7 +305,9 @@ def actor_backward(
         old_logprobs: float32 [B, R] behaviour log-probs, or None for the first (on-policy) update, where
             the detached current log-probs are used so the ratio is exactly 1.
         prefixes: the attached actor prefix of every group, computed earlier (rollplex schedule), or
-            None to compute each micro-batch's prefix here.
+            None to compute each micro-batch's prefix here. Where ``roles.offload`` holds their saved
+            tensors, each micro-batch's come back to the device ahead of its backward (the next
+            micro-batch's are fetched while this one's backward runs) and are forgotten after it.
     """
     cfg, rollout = roles.config, scored.rollout
     n, mask = rollout.group_size, rollout.response_mask()
@@ -278,7 +316,10 @@ def actor_backward(
         int(mask[rows_all].sum()),
         torch.zeros(len(_SUM_FIELDS), dtype=torch.float64, device=mask.device),
     )
-    for micro in _group_slices(groups, cfg.algo.micro_batch_groups):
+    micros = _group_slices(groups, cfg.algo.micro_batch_groups)
+    offload = roles.offload if prefixes is not None else None
+    _prefetch(offload, micros[0] if micros else [])
+    for index, micro in enumerate(micros):
         rows = to_device(torch.tensor([g * n + i for g in micro for i in range(n)]), mask.device)
         if prefixes is None:
             prefix = prefix_forward(
@@ -319,12 +360,25 @@ def actor_backward(
             num_seqs=len(rows_all),
             horizon=cfg.rollout.max_response_tokens,
         )
+        _prefetch(offload, micros[index + 1] if index + 1 < len(micros) else [])
         loss.backward()
+        _release(offload, micro)
         # The rollout-vs-trainer gap compares log-probs under θ_k (the behaviour log-probs when a previous
         # mini-batch has already updated the actor).
         part = _micro_sums(loss, kl, clipped, entropy, old.detach(), rollout.logprobs[rows], m)
         sums = _add_sums(sums, part)
     return _stats(sums)
+
+
+def _prefetch(offload: SavedTensorOffload | None, groups: list[int]) -> None:
+    """Start bringing ``groups``' offloaded prefix tensors back to the device (no-op without offload)."""
+    for g in groups if offload is not None else ():
+        offload.prefetch(g)
+
+
+def _release(offload: SavedTensorOffload | None, groups: list[int]) -> None:
+    for g in groups if offload is not None else ():
+        offload.release(g)
 
 
 # _micro_sums' vector holds the ActorStats fields in their declared order; logprob_diff_max is a

@@ -441,6 +441,17 @@ def test_memory_and_preset_values_are_checked_by_name(override, needles):
     assert all(needle in str(info.value) for needle in needles)
 
 
+def test_on_and_off_unquoted_in_yaml_mean_the_words(tmp_path):
+    """YAML 1.1 reads on/off as booleans; the fields whose choices are the words take them as the words."""
+    path = tmp_path / "run.yaml"
+    path.write_text("memory:\n  optimizer_offload: off\n  offload_activations: on\n")
+    cfg = load_config(path, ["memory.reference_paging=paged"])
+    assert (cfg.memory.optimizer_offload, cfg.memory.offload_activations) == ("off", "on")
+    assert load_config(None, ["memory.optimizer_offload=on"]).memory.optimizer_offload == "on"
+    with pytest.raises(ConfigError, match="run.progress"):  # a boolean field is still a boolean
+        load_config(None, ["run.progress=auto"])
+
+
 def test_model_presets_are_the_models_presets():
     from rollplex.config import MODEL_PRESETS
     from rollplex.models.presets import PRESETS

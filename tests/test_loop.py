@@ -509,9 +509,9 @@ def test_a_gradient_that_is_not_finite_skips_the_update_and_saves_good_weights(
     """A NaN gradient at step 2 (poisoned as the optimizer receives it): the update is dropped, so the
     weights after step 2 equal those after step 1, step 3 trains on, every checkpoint is finite, and the
     step's metrics and the log say what happened."""
-    from rollplex.optim import MasterWeightAdamW
+    from rollplex.memory.chunked_adamw import ChunkedAdamW
 
-    real, calls = MasterWeightAdamW.clip_and_step, []
+    real, calls = ChunkedAdamW.clip_and_step, []
 
     def poisoned(self, max_grad_norm):
         calls.append(1)
@@ -520,7 +520,7 @@ def test_a_gradient_that_is_not_finite_skips_the_update_and_saves_good_weights(
             grads[0].grad.view(-1)[0] = float("nan")
         return real(self, max_grad_norm)
 
-    monkeypatch.setattr(MasterWeightAdamW, "clip_and_step", poisoned)
+    monkeypatch.setattr(ChunkedAdamW, "clip_and_step", poisoned)
     cfg = _config(assets, tmp_path / "run", 3, **{"run.save_every": 1, "run.keep_checkpoints": 3})
     with caplog.at_level(logging.INFO):
         run = train(cfg)

@@ -121,7 +121,8 @@ def first_difference(a: list[dict], b: list[dict]) -> dict[str, int | None]:
 
 
 def optimizer_fingerprints(optimizer) -> dict[tuple[int, str], int]:
-    """``fingerprint`` of each FP32 master weight of a ``MasterWeightAdamW`` and of its AdamW moments.
+    """``fingerprint`` of each FP32 master weight of a ``memory.chunked_adamw.ChunkedAdamW`` and of its
+    AdamW moments, wherever they live (host-pool state is mixed on the parameters' device).
 
     These show a difference in the update where the bf16 weights may not: at a learning rate of 1e-6 a
     step moves a weight by far less than one bf16 step, and the second moment holds the squared
@@ -131,17 +132,8 @@ def optimizer_fingerprints(optimizer) -> dict[tuple[int, str], int]:
         {(parameter index, "master" | "exp_avg" | "exp_avg_sq"): fingerprint}; a moment AdamW has not
         made yet (no step taken) is left out.
     """
-    out = {}
-    for index, master in enumerate(optimizer.masters):
-        state = optimizer.inner.state.get(master, {})
-        for name, value in (
-            ("master", master),
-            ("exp_avg", state.get("exp_avg")),
-            ("exp_avg_sq", state.get("exp_avg_sq")),
-        ):
-            if value is not None:
-                out[(index, name)] = fingerprint(value)
-    return out
+    device = optimizer.device
+    return {(index, name): fingerprint(value.to(device)) for index, name, value in optimizer.state_tensors()}
 
 
 def differing(a: dict, b: dict) -> int:

@@ -48,10 +48,14 @@ from rollplex.bench.fingerprint import differing, first_difference, optimizer_fi
 from rollplex.bench.variants import BASELINES, MAIN_ROWS, ROWS
 from rollplex.config import Config, ConfigError, load_config
 from rollplex.determinism import use_deterministic_algorithms
+from rollplex.memory.host_pool import PinnedHostPool
+from rollplex.memory.plan_command import PlanInputs
+from rollplex.memory.planner import MemoryPlan
+from rollplex.memory.runtime import MemoryRuntime, build_memory, enforce_budget, plan_run
+from rollplex.memory.runtime import step_metrics as memory_metrics
 from rollplex.models.compiled import compile_fallback, compiled_scope, compiles_layers
 from rollplex.models.forward import enable_checkpointing, prepare_model, suffix_backend
 from rollplex.observe.metrics import GcClock, PhaseTimer
-from rollplex.optim import MasterWeightAdamW
 from rollplex.phases import Roles
 from rollplex.rollout.engine import SamplingParams
 from rollplex.schedule import make_step
@@ -77,17 +81,22 @@ class ScheduleBenchConfig(Workload):
     # config overrides (section.field=value, as rollplex train takes them) applied to every row's config
     # after the settings above; a row's own settings (ROWS) win over them
     overrides: tuple[str, ...] = ()
+    # compare each row's update with its baseline's (host copies of the weights and the FP32 update of
+    # the baseline rows); off: times and memory only
+    compare: bool = True
 
 
 @dataclass
 class ScheduleBenchResult:
     config: dict
     copy_bandwidth_gbps: float = float("nan")
+    host_pool_pin_s: float = 0.0  # seconds page-locking the host pool the rows share
     rows: dict = field(default_factory=dict)
 
 
 class _Workload:
-    """Model, reference, initial state and prompts shared by every row."""
+    """Model, reference, initial state and prompts shared by every row, and the one pinned host pool the
+    rows take in turn (``run_schedule_bench`` sizes it for the largest row's plan)."""
 
     def __init__(self, cfg: ScheduleBenchConfig, device: torch.device):
         from rollplex.models.presets import vision_special_ids
@@ -99,11 +108,13 @@ class _Workload:
         if self.checkpointing:  # before the copy, which the reference has always been made from
             enable_checkpointing(self.actor)
         self.reference = copy.deepcopy(self.actor).requires_grad_(False)
-        self.initial = {k: v.detach().clone() for k, v in self.actor.state_dict().items()}
+        # on the host: a device copy would sit in every row's memory
+        self.initial = {k: v.detach().to("cpu", copy=True) for k, v in self.actor.state_dict().items()}
         self.tokenizer = build_tokenizer(cfg.preset)
-        shape = PromptShape(cfg.text_tokens, cfg.grid)
+        self.shape = PromptShape(cfg.text_tokens, cfg.grid)
         self.prompts = [
-            synthetic_prompt(self.actor, shape, seed=g, device=device, dtype=dtype) for g in range(cfg.groups)
+            synthetic_prompt(self.actor, self.shape, seed=g, device=device, dtype=dtype)
+            for g in range(cfg.groups)
         ]
         self.banned = torch.tensor(vision_special_ids(self.actor.config), device=device)
         self.eos = self.tokenizer.convert_tokens_to_ids("<|im_end|>")
@@ -112,12 +123,11 @@ class _Workload:
             torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 2
         )
         self.updates: Updates | None = None  # set by run_schedule_bench
+        self.pool: PinnedHostPool | None = None  # set by run_schedule_bench
+        self.memory: MemoryRuntime | None = None  # the running row's (memory.runtime)
 
-    def roles(self, overrides: dict, cfg: ScheduleBenchConfig) -> Roles:
-        """Fresh roles from the initial weights for one row."""
-        with torch.no_grad():
-            for name, value in self.actor.state_dict().items():
-                value.copy_(self.initial[name])
+    def config(self, overrides: dict, cfg: ScheduleBenchConfig) -> Config:
+        """Row ``overrides``' config: the workload's settings, then ``cfg.overrides``, then the row's own."""
         workload = {
             "rollout.group_size": cfg.group_size,
             "rollout.prompts_per_step": cfg.groups,
@@ -130,14 +140,34 @@ class _Workload:
             "rollout.fused_projections": cfg.fused_projections,
             "rollout.fused_sampling": cfg.fused_sampling,
             "rollout.fused_gate": cfg.fused_gate,
+            "model.preset": cfg.preset,  # the planner's shapes
+            "model.gradient_checkpointing": cfg.gradient_checkpointing,
             "model.vision_attention": cfg.vision_attention,
             "model.vision_mlp_padding": cfg.vision_mlp_padding,
             "model.compile_layers": cfg.compile_layers,
             "model.compile_scope": cfg.compile_scope,
+            "run.dtype": cfg.dtype,
             "run.deterministic": cfg.deterministic,  # recorded; run_schedule_bench sets it process-wide
         }
         row = {k: self.sms // 2 if v == "half" else v for k, v in overrides.items()}
-        config = load_config(None, [*_items(workload), *cfg.overrides, *_items(row)])
+        return load_config(None, [*_items(workload), *cfg.overrides, *_items(row)])
+
+    def plan(self, config: Config) -> MemoryPlan:
+        """The memory plan of a row's config for this workload's prompt shape."""
+        vision = self.shape.length - self.shape.text_tokens
+        return plan_run(
+            config, self.device, PlanInputs(prompt_tokens=self.shape.length, vision_tokens=vision)
+        )
+
+    def roles(self, overrides: dict, cfg: ScheduleBenchConfig) -> Roles:
+        """Fresh roles from the initial weights for one row, its memory set up as a training run's
+        (``memory.runtime``: the plan's budget enforced on the device, the reference paged, activations
+        offloaded and optimizer state in the host pool where the plan says)."""
+        config = self.config(overrides, cfg)
+        plan = self.plan(config)
+        with torch.no_grad():
+            for name, value in self.actor.state_dict().items():
+                value.copy_(self.initial[name])
         if self.checkpointing:
             enable_checkpointing(self.actor, layer_recompute=config.model.layer_recompute)
         model_cfg = config.model
@@ -150,10 +180,32 @@ class _Workload:
                 compiled,
                 model_cfg.compile_scope,
             )
-        optimizer = MasterWeightAdamW.for_model(self.actor, config.optim)
+        enforce_budget(plan.budget_gib, self.device)
+        if self.pool is None:
+            self.pool = PinnedHostPool(plan.host_pool_bytes)
+        self.pool.clear()
+        self.memory = build_memory(plan, config, self.device, self.actor, self.reference, pool=self.pool)
         sampling = SamplingParams.from_config(config.rollout, (self.eos,), self.eos, self.banned)
         generator = torch.Generator(device=self.device).manual_seed(0)
-        return Roles(self.actor, self.reference, optimizer, self.tokenizer, sampling, generator, config)
+        return Roles(
+            self.actor,
+            self.reference,
+            self.memory.optimizer,
+            self.tokenizer,
+            sampling,
+            generator,
+            config,
+            residency=self.memory.residency,
+            offload=self.memory.offload,
+        )
+
+    def end_row(self) -> None:
+        """After a row: the reference back on the device, the budget lifted, the row's memory dropped."""
+        if self.memory is not None:
+            self.memory.residency.restore()
+            self.memory = None
+        if self.device.type == "cuda":
+            torch.cuda.set_per_process_memory_fraction(1.0, self.device)
 
 
 def _items(settings: dict) -> list[str]:
@@ -197,11 +249,36 @@ def _gc_text(spent: dict) -> str:
     return f"garbage collector {spent['gc_s']:.3f} s in {spent['gc_passes']} passes, {full} full"
 
 
-def _timed_row(work: _Workload, name: str, cfg: ScheduleBenchConfig) -> tuple[dict, _Snapshot]:
+def _timed_row(work: _Workload, name: str, cfg: ScheduleBenchConfig) -> tuple[dict, _Snapshot | None]:
     replaced = sorted({item.partition("=")[0].strip() for item in cfg.overrides} & set(ROWS[name]))
     if replaced:  # the row is what its name says
         print(f"  {name}: the row's own {', '.join(replaced)} replaces the override", flush=True)
-    roles = work.roles(ROWS[name], cfg)
+    try:
+        return _measured_row(work, name, cfg, work.roles(ROWS[name], cfg))
+    finally:
+        work.end_row()
+
+
+def _plan_fields(plan: MemoryPlan) -> dict:
+    """A row's memory plan, as its result records it: budget, predicted peak, whether it fits, moves."""
+    return {
+        "budget_gib": plan.budget_gib,
+        "memory/predicted_peak_gib": plan.planned_peak_gib,
+        "plan_fits": plan.fits,
+        "plan_moves": [m.what for m in plan.moves],
+        "optimizer_host_fraction": plan.optimizer_host_fraction,
+        "host_pool_gib": plan.host_pool_bytes / 2**30,
+    }
+
+
+def _measured_row(work: _Workload, name: str, cfg: ScheduleBenchConfig, roles: Roles):
+    plan = work.memory.plan
+    print(
+        f"  {name}: plan peak {plan.planned_peak_gib:.1f} GiB of {plan.budget_gib:.1f} "
+        f"({'fits' if plan.fits else 'does not fit: ' + plan.advice}); moves: "
+        f"{', '.join(m.what for m in plan.moves) or 'none'}",
+        flush=True,
+    )
     dtype = next(roles.actor.parameters()).dtype
     suffix_backend(work.device, dtype, roles.config.model.suffix_attention)  # the row's can run here
     step = make_step(roles.config, work.device)
@@ -223,6 +300,7 @@ def _timed_row(work: _Workload, name: str, cfg: ScheduleBenchConfig) -> tuple[di
                 held.append(round(torch.cuda.memory_allocated(work.device) / 2**30, 3))
             collected.append(round(gc_spent["gc_s"], 3))
             spent = {**timer.pop(), **extra, **gc_spent, "grad_norm": _largest(norms)}
+            spent.update(memory_metrics(work.memory))
             spent["decode/setup_s"] = scored.rollout.setup_s
             print(f"    {name} iteration {i}: {end - start:.3f} s ({_gc_text(gc_spent)})", flush=True)
             if i >= warmup:
@@ -239,6 +317,7 @@ def _timed_row(work: _Workload, name: str, cfg: ScheduleBenchConfig) -> tuple[di
         },
     }
     row["gc_s_by_step"] = collected  # warm-up included
+    row.update(_plan_fields(plan))
     if work.device.type == "cuda":
         row["peak_memory_gib"] = torch.cuda.max_memory_allocated(work.device) / 2**30
         row["allocated_gib_by_step"] = held
@@ -260,6 +339,8 @@ def _timed_row(work: _Workload, name: str, cfg: ScheduleBenchConfig) -> tuple[di
     print(f"  {name}: {row['step_s_median']:.3f} s/step (spread {row['step_s_spread']:.3f})", flush=True)
     if held:
         print(f"  {name}: GiB allocated after each step: {held}", flush=True)
+    if not cfg.compare:
+        return row, None
     # the parameters go to host memory: a device copy per row would sit in every later row's peak memory
     weights = {k: v.detach().to("cpu", copy=True) for k, v in work.actor.state_dict().items()}
     snapshot = _Snapshot(weights, optimizer_fingerprints(roles.optimizer), trail)
@@ -279,7 +360,7 @@ class Updates:
     with their baseline's as they finish, as ``update_rel_diff_vs_serial`` = ‖u − u_base‖₂ / ‖u_base‖₂
     over every parameter (0 for the same update; serial-again against serial gives one sample of
     serial's own run-to-run difference). A row is compared only when its baseline ran before it, with
-    as many steps. Kept updates sit in pinned host memory on CUDA (4 bytes per parameter each).
+    as many steps. Kept updates sit in host memory (4 bytes per parameter each).
 
     Args:
         initial: the initial weights by parameter name (any float dtype; the masters started from them).
@@ -293,8 +374,11 @@ class Updates:
         self.kept: dict[str, tuple[int, list[torch.Tensor]]] = {}
 
     def _updates(self, optimizer):
-        for param, master in zip(optimizer.params, optimizer.masters, strict=True):
-            yield master.detach() - self.initial[self.names[id(param)]].to(master.device, torch.float32)
+        for index, name, master in optimizer.state_tensors():
+            if name == "master":
+                initial = self.initial[self.names[id(optimizer.params[index])]]
+                master = master.detach().to(optimizer.device)
+                yield master - initial.to(master.device, torch.float32)
 
     def record(self, name: str, optimizer, row: dict) -> None:
         """Compare the finished row's update with its baseline's (``row`` gains the ratio) and keep it
@@ -325,11 +409,9 @@ def compared_with(name: str, steps: int, ran: dict[str, int]) -> str | None:
 
 
 def _host_copy(tensor: torch.Tensor) -> torch.Tensor:
-    """A host copy of ``tensor``, in pinned memory when it is on a GPU (copies there and back run at
-    the link's full speed)."""
-    if tensor.device.type != "cuda":
-        return tensor.to("cpu", copy=True)
-    return torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True).copy_(tensor)
+    """A host copy of ``tensor`` (pageable: torch's pinned allocations round up to a power of two, and the
+    host pool holds the runs' own pinned memory)."""
+    return tensor.to("cpu", copy=True)
 
 
 def _largest(norms: list[float]) -> float:
@@ -380,13 +462,20 @@ def run_schedule_bench(cfg: ScheduleBenchConfig, out: Path | None = None) -> Sch
     device = bench_device(cfg.preset)
     work = _Workload(cfg, device)
     names = {id(p): n for n, p in work.actor.named_parameters()}
-    work.updates = Updates(work.initial, names, cfg.rows)
+    if cfg.compare:
+        work.updates = Updates(work.initial, names, cfg.rows)
+    # one pinned host pool for every row, as large as the largest row's plan needs (pinned once)
+    pools = [work.plan(work.config(ROWS[name], cfg)).host_pool_bytes for name in cfg.rows]
+    work.pool = PinnedHostPool(max(pools, default=0))
     result = ScheduleBenchResult(config=asdict(cfg))
+    result.host_pool_pin_s = work.pool.pin_seconds
     snapshots = {}
     for name in cfg.rows:
         _free_previous_row(device)
         try:
-            result.rows[name], snapshots[name] = _timed_row(work, name, cfg)
+            result.rows[name], snapshot = _timed_row(work, name, cfg)
+            if snapshot is not None:
+                snapshots[name] = snapshot
         except torch.OutOfMemoryError as err:  # one row out of memory must not hide the others
             print(f"  {name}: out of memory: {err}", flush=True)
             result.rows[name] = {"error": "out of memory"}
@@ -417,7 +506,7 @@ def run_schedule_bench(cfg: ScheduleBenchConfig, out: Path | None = None) -> Sch
 
 # what the benchmark sets itself (its workload options) or does not have (a run folder, a dataset)
 _WORKLOAD_KEYS = ("rollout.group_size", "rollout.prompts_per_step", "rollout.max_response_tokens")
-_NOT_READ = ("model.path", "model.freeze_vision", "model.gradient_checkpointing")
+_NOT_READ = ("model.path", "model.preset", "model.freeze_vision", "model.gradient_checkpointing")
 
 
 def _checked_overrides(overrides: tuple[str, ...]) -> Config:
@@ -497,6 +586,9 @@ def _print(result: ScheduleBenchResult) -> None:
         "decode_ms_per_step",
         "decode_roofline_ratio",
         "peak_memory_gib",
+        "memory/predicted_peak_gib",
+        "memory/moved_gib",
+        "host_pool_gib",
         "alloc_retries",
         "device_allocs",
         "max_abs_param_diff_vs_serial",

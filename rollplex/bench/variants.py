@@ -34,6 +34,15 @@ DEFAULT_VARIANTS = tuple(
 )
 
 _BOTH = {"schedule.kind": "rollplex", "schedule.overlap": True, "schedule.prefill_fusion": True}
+# every class of state on the device for the whole step, nothing moved, the device's whole capacity
+# (less the margin) as the budget, whatever budget the other rows are given
+_RESIDENT = {
+    "memory.device_budget_gib": 0,
+    "memory.optimizer_offload": "off",
+    "memory.reference_paging": "resident",
+    "memory.offload_activations": "off",
+}
+_WHOLE_MODEL_MIB = 1 << 20  # an optimizer chunk larger than any model: one chunk, all of its state at once
 _SUFFIX_ROWS = ("causal", "cascade", "sdpa", "flex")  # the suffix attention backends with rows of their own
 ROWS_HELP = """\
 Rows of rollplex bench schedule (each from the same initial weights and optimizer state, same prompts
@@ -75,6 +84,21 @@ serial-window128      serial, the decode step captured per 128-token own-key win
 both-window128        both, likewise
 serial-again          serial once more: whether serial's own update is the same from run to run
                       (its parameter and optimizer differences are against serial's)
+serial-resident       serial with every class of state resident on the device and nothing moved,
+                      under the device's whole capacity (memory.device_budget_gib 0, optimizer
+                      offload off, reference resident, no activation offload; every other row
+                      keeps what its memory plan keeps, under the budget it is given)
+both-resident         both, likewise
+both-no-optimizer-offload   both with the FP32 masters and Adam moments kept on the device
+                      (memory.optimizer_offload: off), the rest as planned under the budget
+both-no-reference-paging    both with the reference resident (memory.reference_paging: resident)
+both-no-activation-offload  both with the actor prefixes' saved tensors kept on the device
+                      (memory.offload_activations: off)
+both-unchunked-optimizer    both with the optimizer's state updated (and streamed) as one chunk
+                      (memory.chunk_mib larger than the model)
+serial-40gib          serial under a device budget of 40 GiB (memory.device_budget_gib: 40, enforced on
+                      the caching allocator), as on a 40-48 GB card
+both-40gib            both, likewise
 serial-causal         serial, the suffix attention as one SDPA call per group with a bottom-right
                       causal mask over each response's [boundary ; own keys] (flash attention;
                       model.suffix_attention: causal; the CUDA default in bf16/fp16)
@@ -113,6 +137,14 @@ ROWS = {
     "serial-window128": {"schedule.kind": "serial", "rollout.graph_window": 128},
     "both-window128": {**_BOTH, "rollout.graph_window": 128},
     "serial-again": {"schedule.kind": "serial"},
+    "serial-resident": {"schedule.kind": "serial", **_RESIDENT},
+    "both-resident": {**_BOTH, **_RESIDENT},
+    "both-no-optimizer-offload": {**_BOTH, "memory.optimizer_offload": "off"},
+    "both-no-reference-paging": {**_BOTH, "memory.reference_paging": "resident"},
+    "both-no-activation-offload": {**_BOTH, "memory.offload_activations": "off"},
+    "both-unchunked-optimizer": {**_BOTH, "memory.chunk_mib": _WHOLE_MODEL_MIB},
+    "serial-40gib": {"schedule.kind": "serial", "memory.device_budget_gib": 40},
+    "both-40gib": {**_BOTH, "memory.device_budget_gib": 40},
     **{
         f"{row}-{name}": {**settings, "model.suffix_attention": name}
         for name in _SUFFIX_ROWS

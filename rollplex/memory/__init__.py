@@ -30,8 +30,5 @@ Integration into the step (the schedule and loop; each call on the compute strea
     Phase 3    residency.enter("update"); optimizer.clip_and_step(cfg.optim.max_grad_norm)
     step end   residency.end_step(); the trace gets residency.counter_events(origin)
 
-Callers that change with it: loop.py reads ``optimizer.lr`` (was ``optimizer.inner.param_groups[0]["lr"]``);
-bench.fingerprint.optimizer_fingerprints and bench.schedule.Updates iterate
-``optimizer.state_tensors()`` (was ``optimizer.masters`` / ``optimizer.inner.state``); checkpoints keep
-``MasterWeightAdamW``'s state-dict format.
+``memory.runtime`` builds all of this for ``loop.train`` and ``rollplex bench`` from the plan.
 """

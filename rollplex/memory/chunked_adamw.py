@@ -34,14 +34,8 @@ So the result is bitwise the all-resident update: ``torch.optim.AdamW`` over FP3
 ``torch.nn.utils.clip_grad_norm_`` (tests/memory/test_chunked_adamw.py checks masters, moments,
 parameters and norms over several steps, for every chunk size and placement).
 
-Integration (replaces ``optim.MasterWeightAdamW``; same surface): ``ChunkedAdamW.for_model(actor,
-cfg.optim, chunk_mib=cfg.memory.chunk_mib, host_bytes=plan.optimizer_host_bytes,
-pool=residency.pool, transfers=residency.transfers)``; ``clip_and_step`` in Phase 3 as today;
-``optimizer.lr`` replaces ``optimizer.inner.param_groups[0]["lr"]`` (loop.py);
-``bench.fingerprint.optimizer_fingerprints`` iterates ``optimizer.state_tensors()`` instead of
-``optimizer.masters`` / ``optimizer.inner.state``; ``bench.schedule.Updates`` reads the masters from
-``state_tensors()`` (name "master"). The state dict has ``MasterWeightAdamW``'s format, so checkpoints
-of either load into the other.
+The state dict keeps the format of the optimizer rollplex had before (FP32 masters under torch AdamW:
+``{"inner": AdamW state dict, "masters": [...]}``), so checkpoints written before it resume.
 """
 
 from __future__ import annotations
@@ -380,7 +374,7 @@ class ChunkedAdamW:
         return out
 
     def state_dict(self) -> dict:
-        """``MasterWeightAdamW``'s format: ``{"inner": torch AdamW state dict over parameter indices,
+        """The format of the optimizer rollplex had before: ``{"inner": torch AdamW state dict over parameter indices,
         "masters": [FP32 CPU tensor per parameter]}`` ("masters" only when a parameter is bf16/fp16)."""
         state = {}
         for index, name, tensor in self.state_tensors():
@@ -405,7 +399,7 @@ class ChunkedAdamW:
 
     @torch.no_grad()
     def load_state_dict(self, state: dict) -> None:
-        """Load a state dict of ``ChunkedAdamW`` or ``optim.MasterWeightAdamW`` (the same format).
+        """Load a state dict of ``ChunkedAdamW`` or of the optimizer rollplex had before (the same format).
 
         Raises:
             ValueError: the saved parameter count or a tensor's shape differs from this optimizer's.

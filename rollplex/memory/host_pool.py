@@ -176,6 +176,12 @@ class PinnedHostPool:
     def _view(self, region: _Region) -> torch.Tensor:
         return self.buffer[region.offset : region.offset + region.nbytes]
 
+    def clear(self) -> None:
+        """Forget every named view and arena: the pool is handed out from its start again, to a new owner
+        (``rollplex bench`` gives one pool to each row in turn). Views taken before must not be used."""
+        self._regions.clear()
+        self._cursor = 0
+
     def close(self) -> None:
         """Unregister the memory (CUDA) and drop the pool's reference to it; idempotent."""
         finalizer = getattr(self, "_finalizer", None)
@@ -230,6 +236,10 @@ class Arena:
         self._cursor = min(self.capacity, start + aligned(nbytes))
         self.high_water = max(self.high_water, self._cursor)
         return self.region[start : start + nbytes].view(dtype).view(tuple(shape))
+
+    def fits(self, shape: Sequence[int], dtype: torch.dtype) -> bool:
+        """Whether ``alloc(shape, dtype)`` has room."""
+        return _nbytes(shape, dtype) <= self.capacity - self._cursor
 
     def reset(self) -> None:
         """Hand out the region from its start again (earlier tensors' bytes get overwritten)."""

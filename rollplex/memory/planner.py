@@ -80,6 +80,10 @@ MIB = 2**20
 LOGIT_CHUNK_ELEMENTS = 2**28  # models.forward.LOGIT_CHUNK_ELEMENTS (a test keeps them equal)
 LOGIT_BYTES_PER_ELEMENT = 4 + 4  # float32 log-softmax and its gradient (the model-dtype logits added)
 STAGING_SLOTS, STATE_FIELDS = 3, 3  # memory.chunked_adamw: load j+1, update j, store j-1; master, m, v
+# The plan keeps its peak this fraction under the budget: room for what it does not count (the caching
+# allocator's fragmentation, CUDA graph pools, compiled kernels' buffers, library workspaces beyond
+# memory.workspace_gib).
+PLAN_HEADROOM = 0.05
 SCHEDULES = ("serial", "rollplex", "auto")
 
 
@@ -308,6 +312,11 @@ class _Shapes:
         return self.work.dtype_bytes
 
     @property
+    def target_gib(self) -> float:
+        """The device GiB a plan may reach: the budget less ``PLAN_HEADROOM``."""
+        return self.budget.device_gib * (1 - PLAN_HEADROOM)
+
+    @property
     def groups_train(self) -> int:
         return -(-self.work.groups // self.layout.dp)
 
@@ -405,6 +414,11 @@ def _sizes(s: _Shapes) -> dict[str, dict[str, int]]:
     return {name: {w: v.get(w) or 0 for w in every} for name, v in sizes.items()}
 
 
+def _bytes(gib: float) -> int:
+    """``gib`` in bytes; an unbounded budget (inf) as more bytes than any plan can hold."""
+    return int(gib * GIB) if math.isfinite(gib) else 2**62
+
+
 def _all(nbytes: int) -> dict[str, int]:
     return dict.fromkeys(WINDOWS, nbytes)
 
@@ -469,7 +483,8 @@ def _logits(s: _Shapes) -> dict[str, int]:
 
 
 def _chunk_bytes(s: _Shapes) -> int:
-    return int(s.budget.chunk_mib * MIB)
+    """One optimizer chunk's FP32 masters, bytes (no more than all of them: one chunk then)."""
+    return min(int(s.budget.chunk_mib * MIB), s.trainable() * 4)
 
 
 def _staging(s: _Shapes, train, host_chunks: bool) -> int:
@@ -589,7 +604,7 @@ def _worst(s: _Shapes, sizes, place: _Placement) -> tuple[str, int]:
     """The window furthest over the budget and by how many bytes (≤ 0 when all fit)."""
     totals = _totals(s, sizes, place)
     window = max(WINDOWS, key=lambda w: totals[w])
-    return window, totals[window] - int(s.budget.device_gib * GIB)
+    return window, totals[window] - _bytes(s.target_gib)
 
 
 def _host_room(s: _Shapes, sizes, place: _Placement) -> float:
@@ -676,7 +691,7 @@ def _plan(s: _Shapes, sizes, place: _Placement) -> MemoryPlan:
     totals = {w: sum(v[w] for v in device.values()) / GIB for w in WINDOWS}
     peak = max(totals.values())
     host_gib = sum(host.values()) / GIB
-    over_device, over_host = peak - s.budget.device_gib, host_gib - s.budget.host_gib
+    over_device, over_host = peak - s.target_gib, host_gib - s.budget.host_gib
     fits = over_device <= 0 and over_host <= 0
     total_opt = sizes["master"]["update"] + sizes["adam"]["update"]
     return MemoryPlan(

@@ -57,7 +57,9 @@ class ResidencySample:
     Attributes:
         label: the window entered (or another label given to ``sample``).
         time: ``time.perf_counter()`` seconds (the clock of ``observe.metrics`` spans).
-        device, host: bytes per state class on the device and in the host pool.
+        device, host: bytes per state class on the device and in the host pool; on CUDA, ``device`` also
+            has "other": what the caching allocator holds beyond the tracked classes (activations,
+            KV caches, workspaces).
         moved: bytes copied so far per tag, ``{tag: {"h2d": n, "d2h": n}}`` (cumulative).
     """
 
@@ -100,12 +102,14 @@ class Residency:
         where: ``{state class: {window: "device" | "host" | "-"}}`` (``MemoryPlan.where``); default
             ``resident_table()``.
         pin: page-lock the pool (default: on a CUDA device).
+        pool: an existing host pool to use instead of allocating one (``host_pool_bytes`` and ``pin`` are
+            then ignored; the caller keeps it and closes it), e.g. one pool for several benchmark rows.
     """
 
     @classmethod
-    def from_plan(cls, plan, device: torch.device | str) -> Residency:
-        """The manager for a ``memory.planner.MemoryPlan``: its host pool size and table."""
-        return cls(device, host_pool_bytes=plan.host_pool_bytes, where=plan.where())
+    def from_plan(cls, plan, device: torch.device | str, pool: PinnedHostPool | None = None) -> Residency:
+        """The manager for a ``memory.planner.MemoryPlan``: its host pool size (or ``pool``) and table."""
+        return cls(device, host_pool_bytes=plan.host_pool_bytes, where=plan.where(), pool=pool)
 
     def __init__(
         self,
@@ -114,10 +118,14 @@ class Residency:
         host_pool_bytes: int = 0,
         where: Mapping[str, Mapping[str, str]] | None = None,
         pin: bool | None = None,
+        pool: PinnedHostPool | None = None,
     ):
         self.device = torch.device(device)
         self.transfers = Transfers(self.device)
-        self.pool = PinnedHostPool(host_pool_bytes, pin=self.device.type == "cuda" if pin is None else pin)
+        self.owns_pool = pool is None
+        if pool is None:
+            pool = PinnedHostPool(host_pool_bytes, pin=self.device.type == "cuda" if pin is None else pin)
+        self.pool = pool
         self.where = {k: dict(v) for k, v in (where or resident_table()).items()}
         self.pages: dict[str, PagedModule] = {}
         self.offloads: list[SavedTensorOffload] = []
@@ -195,12 +203,11 @@ class Residency:
         """The bytes of every tracked class now, kept in ``samples``."""
         values = {tag: probe() for tag, probe in self.probes.items()}
         moved = {tag: dict(m) for tag, m in self.transfers.moved.items()}
+        device = {tag: v["device"] for tag, v in values.items()}
+        if self.device.type == "cuda":  # what the caching allocator holds beyond the tracked classes
+            device["other"] = max(0, torch.cuda.memory_allocated(self.device) - sum(device.values()))
         sample = ResidencySample(
-            label,
-            time.perf_counter(),
-            {tag: v["device"] for tag, v in values.items()},
-            {tag: v["host"] for tag, v in values.items()},
-            moved,
+            label, time.perf_counter(), device, {tag: v["host"] for tag, v in values.items()}, moved
         )
         self.samples.append(sample)
         return sample
@@ -209,6 +216,13 @@ class Residency:
         """``counter_events`` of every sample so far."""
         return counter_events(self.samples, origin, pid)
 
+    def restore(self) -> None:
+        """Bring every paged module back to the device and wait for it (the state before paging)."""
+        for pages in self.pages.values():
+            pages.prefetch()
+            pages.wait()
+
     def close(self) -> None:
-        """Unregister the host pool (the manager must not be used afterwards)."""
-        self.pool.close()
+        """Unregister the host pool it allocated (the manager must not be used afterwards)."""
+        if self.owns_pool:
+            self.pool.close()

@@ -69,7 +69,7 @@ class SavedTensorOffload:
 
     Attributes:
         offloaded_bytes, kept_bytes: bytes of saved tensors moved to the host / left in place since the
-            last ``reset``.
+            last ``reset``; overflow_bytes: of the kept ones, those left because the arena was full.
     """
 
     def __init__(
@@ -85,7 +85,8 @@ class SavedTensorOffload:
         self.keep = {t.untyped_storage().data_ptr() for t in keep}
         self.groups: dict[Hashable, list[_Handle]] = {}
         self.in_flight: list[tuple[torch.Tensor, Event]] = []  # activations whose copy may still run
-        self.offloaded_bytes = self.kept_bytes = 0
+        self.offloaded_bytes = self.kept_bytes = self.overflow_bytes = 0
+        self.last_step = {"offloaded": 0, "overflow": 0}  # the counts ``reset`` found (the step just ended)
         self._current: list[_Handle] | None = None
 
     @contextlib.contextmanager
@@ -106,8 +107,11 @@ class SavedTensorOffload:
     def _pack(self, t: torch.Tensor):
         if isinstance(t, torch.nn.Parameter) or t.untyped_storage().data_ptr() in self.keep:
             return t
-        if t.numel() * t.element_size() < self.min_bytes or not t.is_contiguous():
+        small = t.numel() * t.element_size() < self.min_bytes
+        if small or not t.is_contiguous() or not self.arena.fits(t.shape, t.dtype):
+            # an arena the plan sized too small keeps the rest on the device (counted), never fails
             self.kept_bytes += t.numel() * t.element_size()
+            self.overflow_bytes += 0 if small or not t.is_contiguous() else t.numel() * t.element_size()
             return t
         self.in_flight = [(a, e) for a, e in self.in_flight if e is not None and not e.query()]
         host = self.arena.alloc(t.shape, t.dtype)
@@ -155,7 +159,8 @@ class SavedTensorOffload:
         for key in list(self.groups):
             self.release(key)
         self.arena.reset()
-        self.offloaded_bytes = self.kept_bytes = 0
+        self.last_step = {"offloaded": self.offloaded_bytes, "overflow": self.overflow_bytes}
+        self.offloaded_bytes = self.kept_bytes = self.overflow_bytes = 0
 
     def resident_bytes(self) -> dict[str, int]:
         """``{"device": saved bytes left on the device, "host": arena bytes in use}`` since ``reset``."""

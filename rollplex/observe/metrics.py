@@ -330,9 +330,26 @@ class GcClock:
             self.frozen = False
 
 
-def chrome_trace(spans: list[Span], base: dict | None = None, resume_step: int | None = None) -> dict:
+@dataclass(frozen=True)
+class CounterSample:
+    """Values of a counter track at one moment (Chrome's ``"ph": "C"`` event: one track per ``name``, one
+    series per key of ``values``), e.g. the device GiB of each memory state class as a window begins.
+    ``time`` is in seconds of ``time.perf_counter`` (the spans' clock)."""
+
+    name: str
+    time: float
+    values: dict[str, float]
+
+
+def chrome_trace(
+    spans: list[Span],
+    base: dict | None = None,
+    resume_step: int | None = None,
+    counters: list[CounterSample] = (),
+) -> dict:
     """Trace Event Format dict: one ``"X"`` event per span (µs from the first span), one thread per stream;
-    a span's optimizer step goes to its event's ``args`` as ``{"step": n}``.
+    a span's optimizer step goes to its event's ``args`` as ``{"step": n}``; one ``"C"`` event per
+    counter sample, on the spans' time axis.
 
     With ``base`` (the trace of the run's earlier processes, before a resume), its events come first,
     unchanged, but for the spans of steps after ``resume_step`` (the step the run resumed at: a run
@@ -367,6 +384,9 @@ def chrome_trace(spans: list[Span], base: dict | None = None, resume_step: int |
         if span.step is not None:
             event["args"] = {"step": span.step}
         events.append(event)
+    for sample in counters:
+        ts = offset + (sample.time - origin) * 1e6
+        events.append({"name": sample.name, "ph": "C", "ts": ts, "pid": 0, "args": dict(sample.values)})
     names = [
         {"name": "thread_name", "ph": "M", "pid": 0, "tid": t, "args": {"name": s}}
         for s, t in tids.items()
@@ -383,15 +403,19 @@ def _after(event: dict, step: int | None) -> bool:
 
 
 def write_chrome_trace(
-    spans: list[Span], path: Path, base: dict | None = None, resume_step: int | None = None
+    spans: list[Span],
+    path: Path,
+    base: dict | None = None,
+    resume_step: int | None = None,
+    counters: list[CounterSample] = (),
 ) -> None:
-    """Write ``chrome_trace(spans, base, resume_step)`` as JSON to ``path``, through a temporary sibling
+    """Write ``chrome_trace(spans, base, resume_step, counters)`` as JSON to ``path``, through a temporary sibling
     replaced onto it, so a write interrupted by the process's end leaves the previous trace in place
     (the file is not synced to disk: a machine's crash may still leave it empty, and
     ``read_chrome_trace`` then starts a new one)."""
     path = Path(path)
     tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(json.dumps(chrome_trace(spans, base, resume_step)))
+    tmp.write_text(json.dumps(chrome_trace(spans, base, resume_step, counters)))
     os.replace(tmp, path)
 
 

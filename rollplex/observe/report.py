@@ -376,6 +376,49 @@ def timeline_figure(trace: dict, last_seconds: float = 30.0) -> Figure | None:
     return fig
 
 
+def memory_figure(trace: dict, rows: Sequence[dict]) -> Figure | None:
+    """The memory on the device over the last step (as the paper's Fig. 8): the trace's ``device GiB``
+    counter samples (one as each window of the step starts: rollout, scoring, backward, update), stacked
+    by state class, with the plan's predicted peak and the measured peak of that step (metrics.jsonl)
+    as lines. None where the trace has no memory counters."""
+    events = trace.get("traceEvents", [])
+    spans = [e for e in events if e.get("ph") == "X" and isinstance(e.get("args"), dict)]
+    samples = [e for e in events if e.get("ph") == "C" and e.get("name") == "device GiB"]
+    if not spans or not samples:
+        return None
+    last = max(e["args"].get("step", 0) for e in spans)
+    start = min(e["ts"] for e in spans if e["args"].get("step") == last)
+    end = max(e["ts"] + e["dur"] for e in spans if e["args"].get("step") == last)
+    step = [e for e in samples if start - 1 <= e["ts"] <= end]
+    if not step:
+        return None
+    classes = sorted(
+        {k for e in step for k in e["args"]}, key=lambda k: -max(e["args"].get(k, 0) for e in step)
+    )
+    times = [(e["ts"] - start) / 1e6 for e in step] + [(end - start) / 1e6]
+    values = [[e["args"].get(k, 0.0) for e in step] + [step[-1]["args"].get(k, 0.0)] for k in classes]
+    fig = Figure(figsize=(10, 4.5))
+    ax = fig.add_subplot()
+    ax.stackplot(times, *values, labels=classes, step="post", alpha=0.85)
+    row = next((r for r in reversed(rows) if r.get("step") == last and "peak_memory_gib" in r), None)
+    for key, label, style in (
+        ("memory/predicted_peak_gib", "planned peak", "--"),
+        ("peak_memory_gib", "measured peak", "-"),
+    ):
+        if row is not None and key in row:
+            ax.axhline(row[key], color="black", linestyle=style, linewidth=1)
+            ax.annotate(f"{label} {row[key]:.1f} GiB", (0, row[key]), fontsize=8, va="bottom")
+    ax.set_xlabel(
+        f"seconds into step {last} (a sample as each window starts: rollout, scoring, backward, update)"
+    )
+    ax.set_ylabel("device memory, GiB")
+    ax.set_title(
+        "What lives on the device in each window, by state class (other: activations, KV, workspaces)"
+    )
+    ax.legend(loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8)
+    return fig
+
+
 def bench_report(path: Path) -> Path:
     """Draw a ``rollplex bench schedule`` JSON file as a PNG beside it (same name, ``.png``).
 
@@ -410,7 +453,9 @@ def make_report(run_dir: Path) -> list[Path]:
     figures = [(build(rows), name) for build, name in plots]
     trace = Path(run_dir) / TRACE_FILE
     if trace.exists():
-        figures.append((timeline_figure(json.loads(trace.read_text())), "timeline.png"))
+        events = json.loads(trace.read_text())
+        figures.append((timeline_figure(events), "timeline.png"))
+        figures.append((memory_figure(events, rows), "memory.png"))
     written = []
     for fig, name in figures:
         if fig is not None:

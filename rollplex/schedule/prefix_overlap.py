@@ -45,6 +45,8 @@ from rollplex.phases import (
     actor_backward,
     actor_prefixes,
     decode_seed,
+    end_step,
+    enter_window,
     merged_reference,
     reference_phase,
     reference_prefixes,
@@ -140,9 +142,10 @@ def choose_policy(medians: dict[CoRunPolicy, float], tolerance: float = AUTO_TOL
     return next(p for p, span in finite.items() if span <= shortest * (1 + tolerance))
 
 
-def _chunks(prompts: list[Prompt], size: int) -> list[list[Prompt]]:
+def _chunks(prompts: list[Prompt], size: int) -> list[tuple[int, list[Prompt]]]:
+    """(index of the chunk's first group, its prompts), ``size`` groups at a time (0 = all)."""
     size = size if size > 0 else len(prompts)
-    return [prompts[i : i + size] for i in range(0, len(prompts), size)]
+    return [(i, prompts[i : i + size]) for i in range(0, len(prompts), size)]
 
 
 def _prefixes(
@@ -157,11 +160,11 @@ def _prefixes(
     ``barrier`` (default: wait for the current stream) after each chunk."""
     device = roles.banned_ids.device
     reference_states, actor_states = [], []
-    for chunk in _chunks(prompts, chunk_groups):
+    for first, chunk in _chunks(prompts, chunk_groups):
         if uses_reference(roles):
             reference_states += reference_prefixes(roles, chunk)
         if actor:
-            actor_states += actor_prefixes(roles, chunk)
+            actor_states += actor_prefixes(roles, chunk, first)
         if chunk_groups:
             barrier() if barrier is not None else stream_sync(device)
     return merged_reference(reference_states), actor_states if actor else None
@@ -368,17 +371,22 @@ class PrefixOverlapSchedule:
         norms and the step's schedule metrics (Eq. 1 terms, policy)."""
         cfg = roles.config
         policy, trial = self._next_policy(), self._trial_due()
+        enter_window(roles, "rollout")
         first = phase1(roles, prompts, timer, policy)
         shuffled = shuffled_rollout(roles, first.rollout, timer)
         post_start = timer.now()
+        enter_window(roles, "scoring")
         with timer.phase("rewards"):
             scored = reward_phase(roles, first.rollout, shuffled)
         with timer.phase("reference"):
             scored = reference_phase(roles, scored, prefix=first.reference)
+        enter_window(roles, "backward")
         with timer.phase("actor"), cross_stream_backward():
             stats = [actor_backward(roles, scored, list(range(len(prompts))), None, prefixes=first.actor)]
+        enter_window(roles, "update")
         with timer.phase("optimizer"):
             norms = [roles.optimizer.clip_and_step(cfg.optim.max_grad_norm)]
+        end_step(roles)
         terms, alone = phase1_terms(first.rollout.timeline, first.prefix_span, first.overlapped, self.alone)
         self._finish_step(policy, trial, alone, first.overlapped, terms["eq1/span"])
         extra = {**terms, "eq1/T_post": timer.now() - post_start, "eq1/phase1": first.makespan}

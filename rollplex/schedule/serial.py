@@ -14,6 +14,8 @@ from rollplex.phases import (
     Roles,
     actor_backward,
     actor_old_logprobs,
+    end_step,
+    enter_window,
     reference_phase,
     reward_phase,
     rollout_phase,
@@ -36,10 +38,12 @@ def serial_step(
     step's schedule metrics (decode time, Eq. 1's T_D, and everything after rollout, T_post; the prefixes
     are not timed apart from their suffixes here)."""
     cfg = roles.config
+    enter_window(roles, "rollout")
     with timer.phase("rollout"):
         rollout = rollout_phase(roles, prompts, cfg.rollout.group_size, roles.sampling)
     shuffled = shuffled_rollout(roles, rollout, timer)
     post_start = timer.now()
+    enter_window(roles, "scoring")
     with timer.phase("rewards"):
         scored = reward_phase(roles, rollout, shuffled)
     with timer.phase("reference"):
@@ -50,10 +54,13 @@ def serial_step(
             old_logprobs = actor_old_logprobs(roles, scored)
     stats, norms = [], []
     for groups in mini_batches(len(prompts), cfg.algo.mini_batches):
+        enter_window(roles, "backward")
         with timer.phase("actor"):
             stats.append(actor_backward(roles, scored, groups, old_logprobs))
+        enter_window(roles, "update")
         with timer.phase("optimizer"):
             norms.append(roles.optimizer.clip_and_step(cfg.optim.max_grad_norm))
+    end_step(roles)
     timeline = rollout.timeline
     return (
         scored,

@@ -54,12 +54,12 @@ def test_cuda_gives_the_cpus_fingerprint(monkeypatch):
 
 
 def test_updates_of_bf16_weights_with_a_tied_head_are_measured_from_the_initial_weights():
-    """bf16 parameters with FP32 masters (MasterWeightAdamW) and an output head tied to the embedding:
+    """bf16 parameters with FP32 masters (ChunkedAdamW) and an output head tied to the embedding:
     ``Updates`` maps each master to its initial weight by name, and its update is the master minus
     that weight, so a row with the same update differs by 0 and one with a head step twice as long by
     a hand-computed ratio."""
     from rollplex.bench.schedule import Updates
-    from rollplex.optim import MasterWeightAdamW
+    from rollplex.memory.chunked_adamw import ChunkedAdamW
 
     torch.manual_seed(0)
     m = torch.nn.Sequential(torch.nn.Embedding(5, 4), torch.nn.Linear(4, 5, bias=False)).to(torch.bfloat16)
@@ -68,8 +68,8 @@ def test_updates_of_bf16_weights_with_a_tied_head_are_measured_from_the_initial_
 
     def trained(lr):  # one model for every row, reset to the initial weights first, as the bench does
         m.load_state_dict(initial)
-        optimizer = MasterWeightAdamW(
-            list(m.parameters()), lr=lr, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0
+        optimizer = ChunkedAdamW(
+            list(m.parameters()), lr=lr, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, chunk_elements=7
         )
         m(torch.tensor([1, 2])).float().sum().backward()
         optimizer.clip_and_step(0.0)
@@ -84,10 +84,15 @@ def test_updates_of_bf16_weights_with_a_tied_head_are_measured_from_the_initial_
     updates.record("serial-again", trained(1e-3), same)
     both = trained(2e-3)
     updates.record("both", both, longer)
-    u = serial.masters[0].detach() - initial["0.weight"].float()
-    want = float((both.masters[0].detach() - initial["0.weight"].float() - u).norm() / u.norm())
+    u = _master(serial) - initial["0.weight"].float()
+    want = float((_master(both) - initial["0.weight"].float() - u).norm() / u.norm())
     assert same["update_rel_diff_vs_serial"] == 0.0
     assert longer["update_rel_diff_vs_serial"] == pytest.approx(want, rel=1e-6) and want > 0.5
+
+
+def _master(optimizer) -> torch.Tensor:
+    """The FP32 master of the optimizer's first parameter."""
+    return next(t for i, name, t in optimizer.state_tensors() if (i, name) == (0, "master"))
 
 
 def test_a_fingerprint_tells_tensors_apart_whatever_the_pattern(monkeypatch):
@@ -129,12 +134,14 @@ def test_the_optimizer_fingerprints_see_an_update_the_bf16_weights_do_not():
     """At a learning rate far under one bf16 step, two different gradients leave the same bf16 weights
     but different moments; ``differing`` counts them, and a tensor only one side has."""
     from rollplex.bench.fingerprint import differing, optimizer_fingerprints
-    from rollplex.optim import MasterWeightAdamW
+    from rollplex.memory.chunked_adamw import ChunkedAdamW
 
     states = []
     for scale in (1.0, 2.0):
         weight = torch.nn.Parameter(torch.full((300,), 1.0, dtype=torch.bfloat16))
-        optimizer = MasterWeightAdamW([weight], lr=1e-6, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0)
+        optimizer = ChunkedAdamW(
+            [weight], lr=1e-6, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, chunk_elements=128
+        )
         assert set(optimizer_fingerprints(optimizer)) == {(0, "master")}  # no moments before a step
         weight.grad = torch.full_like(weight, scale)
         optimizer.clip_and_step(0.0)

@@ -159,9 +159,10 @@ def test_updates_are_compared_with_the_baselines_as_a_relative_l2_difference():
     params = [torch.nn.Parameter(torch.zeros(2)), torch.nn.Parameter(torch.zeros(1))]
     names = {id(params[0]): "a", id(params[1]): "b"}
 
-    def optimizer(a, b):
+    def optimizer(a, b):  # what Updates reads of a ChunkedAdamW
         masters = [torch.tensor(a), torch.tensor(b)]
-        return SimpleNamespace(params=params, masters=masters)
+        states = [(i, "master", m) for i, m in enumerate(masters)]
+        return SimpleNamespace(params=params, device=torch.device("cpu"), state_tensors=lambda: iter(states))
 
     updates = Updates(initial, names, ("both", "serial", "serial-again", "fusion"))
     early = {"steps_taken": 3}

@@ -11,11 +11,96 @@ import torch
 from rollplex.memory.chunked_adamw import ChunkedAdamW, chunk_layout, host_chunks_for, host_state_bytes
 from rollplex.memory.host_pool import PinnedHostPool
 from rollplex.memory.transfers import Transfers
-from rollplex.optim import MasterWeightAdamW
 
 HYPER = dict(lr=0.05, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.1)
 SHAPES = [(5, 7), (5,), (11, 3), (), (13,)]  # 35 + 5 + 33 + 1 + 13 = 87 elements
 TOTAL = 87
+
+
+class MasterWeightAdamW:
+    # The optimizer rollplex shipped before ChunkedAdamW, kept here as it was: its checkpoints' format.
+
+    """AdamW over FP32 masters of ``params``.
+
+    Args:
+        params: trainable parameters (any floating dtype).
+        lr, betas, eps, weight_decay: as ``torch.optim.AdamW``.
+    """
+
+    @classmethod
+    def for_model(cls, model: torch.nn.Module, optim) -> MasterWeightAdamW:
+        """Over ``model``'s trainable parameters, with the settings of an ``OptimConfig`` (config.optim)."""
+        params = [p for p in model.parameters() if p.requires_grad]
+        return cls(
+            params,
+            lr=optim.lr,
+            betas=(optim.beta1, optim.beta2),
+            eps=optim.eps,
+            weight_decay=optim.weight_decay,
+        )
+
+    def __init__(
+        self, params: list[torch.nn.Parameter], *, lr: float, betas, eps: float, weight_decay: float
+    ):
+        self.params = list(params)
+        self.shadow = any(p.dtype in (torch.bfloat16, torch.float16) for p in self.params)
+        if self.shadow:
+            self.masters = [p.detach().float().clone().requires_grad_(True) for p in self.params]
+        else:
+            self.masters = self.params
+        self.inner = torch.optim.AdamW(self.masters, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
+
+    def clip_and_step(self, max_grad_norm: float) -> float:
+        """Clip the global gradient norm to ``max_grad_norm`` (0 = no clipping), step, zero gradients.
+        A gradient whose global norm is not finite (a NaN or inf in it, or a norm past float32's range)
+        is dropped without a step: the weights and the AdamW state stay as they were, where stepping
+        would write NaN into every weight (and every later checkpoint).
+
+        Returns:
+            The global L2 gradient norm before clipping (float, finite or inf/nan as computed; not
+            finite means the step was skipped).
+        """
+        if self.shadow:
+            for p, m in zip(self.params, self.masters):
+                m.grad = None if p.grad is None else p.grad.float()
+                p.grad = None  # one parameter at a time: never both full gradient copies at once
+        norm = torch.nn.utils.clip_grad_norm_(
+            self.masters, max_grad_norm if max_grad_norm > 0 else float("inf")
+        )
+        if not torch.isfinite(norm):
+            self.zero_grad()
+            return float(norm)
+        self.inner.step()
+        if self.shadow:
+            with torch.no_grad():
+                for p, m in zip(self.params, self.masters):
+                    p.copy_(m)
+        self.zero_grad()
+        return float(norm)
+
+    def zero_grad(self) -> None:
+        for p in self.params:
+            p.grad = None
+        if self.shadow:
+            for m in self.masters:
+                m.grad = None
+
+    def set_lr(self, lr: float) -> None:
+        for group in self.inner.param_groups:
+            group["lr"] = lr
+
+    def state_dict(self) -> dict:
+        state = {"inner": self.inner.state_dict()}
+        if self.shadow:
+            state["masters"] = [m.detach().cpu() for m in self.masters]
+        return state
+
+    def load_state_dict(self, state: dict) -> None:
+        self.inner.load_state_dict(state["inner"])
+        if self.shadow:
+            with torch.no_grad():
+                for m, saved in zip(self.masters, state["masters"]):
+                    m.copy_(saved)
 
 
 def _params(dtype, device="cpu") -> list[torch.nn.Parameter]:
@@ -193,7 +278,7 @@ def test_state_dict_round_trip_across_chunk_sizes_and_placements(chunks, placeme
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_a_master_weight_adamw_checkpoint_resumes(dtype):
-    """A state dict saved by optim.MasterWeightAdamW loads, and training continues bitwise as the old
+    """A state dict saved by the optimizer rollplex shipped before (MasterWeightAdamW) loads, and training continues bitwise as the old
     optimizer continues."""
     old_params, new_params = _params(dtype), _params(dtype)
     old = MasterWeightAdamW(old_params, **HYPER)

@@ -7,7 +7,7 @@ import dataclasses
 
 import pytest
 
-from rollplex.memory.planner import GIB, Budget, Layout, Workload, plan_memory
+from rollplex.memory.planner import GIB, PLAN_HEADROOM, Budget, Layout, Workload, plan_memory
 from rollplex.memory.shapes import Architecture
 
 # hidden 8, 2 layers, 2 heads of 4 (one kv head), MLP 16, vocabulary 10, untied; vision: one block of
@@ -25,8 +25,10 @@ KIB = 1 / 1024  # chunk_mib of 1 KiB: chunks of 1024 bytes of FP32 masters
 
 
 def _budget(nbytes: float, **kw) -> Budget:
+    """A budget whose usable part (less ``PLAN_HEADROOM``) is ``nbytes``."""
+    device = nbytes / GIB / (1 - PLAN_HEADROOM)
     return Budget(
-        device_gib=nbytes / GIB, host_gib=kw.pop("host", 10**9) / GIB, chunk_mib=KIB, workspace_gib=0, **kw
+        device_gib=device, host_gib=kw.pop("host", 10**9) / GIB, chunk_mib=KIB, workspace_gib=0, **kw
     )
 
 
@@ -86,6 +88,14 @@ def test_every_component_and_window_matches_the_hand_count():
     assert plan.naive_gib * GIB == NAIVE
     assert plan.fits and not plan.moves and plan.host_pool_bytes == 0
     assert plan.planned_peak_gib * GIB == TOTALS["backward"]
+
+
+def test_the_plan_keeps_its_headroom_under_the_budget():
+    """A peak at the budget itself does not fit: the plan keeps ``PLAN_HEADROOM`` of it free, so it
+    moves state where everything resident would reach the budget exactly."""
+    budget = Budget(device_gib=TOTALS["backward"] / GIB, host_gib=10**9 / GIB, chunk_mib=KIB, workspace_gib=0)
+    plan = plan_memory(TOY, WORK, budget)
+    assert plan.moves and plan.planned_peak_gib <= budget.device_gib * (1 - PLAN_HEADROOM)
 
 
 def test_everything_resident_when_everything_fits():
@@ -301,5 +311,7 @@ def test_decode_keeps_weight_copies_only_where_they_are_copies(change, copies):
 
 
 def test_an_unbounded_host_budget():
-    plan = plan_memory(TOY, WORK, Budget(device_gib=30000 / GIB, chunk_mib=KIB, workspace_gib=0))
+    plan = plan_memory(
+        TOY, WORK, Budget(device_gib=30000 / GIB / (1 - PLAN_HEADROOM), chunk_mib=KIB, workspace_gib=0)
+    )
     assert plan.fits and plan.optimizer_host_bytes == 5 * 3072
