@@ -10,11 +10,11 @@ keeps its identity, shape and strides), page in = ``resize_`` back to the storag
 asynchronous copy from the module's copy in the pinned host pool. Only the data pointer may change,
 which matters only to a CUDA graph captured across the release (the reference has none).
 
-Streams (CUDA): a page-in allocates and copies on the load stream, so the storage's block belongs to
-that stream; consumers wait on the page-in's event (``wait``) before they read. A page-out first makes
-the load stream wait for the current stream, so the released block is reused there only after every
-kernel ordered before the page-out on the current stream — call it on the stream that ran the module's
-last reader, or after that stream was waited on.
+Streams (CUDA): a page-in allocates on the current stream (the compute stream of the step, whose
+later allocations — the backward's, the optimizer's — can then reuse the blocks a page-out returns) and
+copies on the load stream after everything issued so far on the current stream; consumers wait on the
+page-in's event (``wait``) before they read. A page-out releases the blocks on the current stream: call
+it on the stream that ran the module's last reader, or after that stream was waited on.
 
 Example:
     pages = PagedModule("reference", ref_model, pool, transfers)   # host copy taken once
@@ -23,8 +23,6 @@ Example:
 """
 
 from __future__ import annotations
-
-import contextlib
 
 import torch
 
@@ -75,8 +73,6 @@ class PagedModule:
         if not self.on_device:
             return
         self.wait()
-        if self.transfers.load_stream is not None:
-            self.transfers.load_stream.wait_event(self.transfers.mark())
         for storage in self.storages:
             storage.resize_(0)
         self.on_device = False
@@ -86,12 +82,11 @@ class PagedModule:
         load stream; ``wait`` orders the current stream after it."""
         if self.on_device:
             return
-        stream = self.transfers.load_stream
-        with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
-            for storage, size in zip(self.storages, self.sizes):
-                storage.resize_(size)
+        for storage, size in zip(self.storages, self.sizes):
+            storage.resize_(size)  # on the current stream: its blocks return there when paged out
+        after = (self.transfers.mark(),)
         events = [
-            self.transfers.load(_bytes_of(storage), host, self.tag)
+            self.transfers.load(_bytes_of(storage), host, self.tag, after)
             for storage, host in zip(self.storages, self.host)
         ]
         self.event = events[-1] if events else None  # one stream: the last copy ends after the others
