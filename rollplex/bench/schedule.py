@@ -205,7 +205,8 @@ class _Workload:
             self.memory.residency.restore()
             self.memory = None
         if self.device.type == "cuda":
-            torch.cuda.set_per_process_memory_fraction(1.0, self.device)
+            index = self.device.index if self.device.index is not None else torch.cuda.current_device()
+            torch.cuda.set_per_process_memory_fraction(1.0, index)
 
 
 def _items(settings: dict) -> list[str]:

@@ -99,9 +99,10 @@ def enforce_budget(budget_gib: float, device: torch.device) -> float:
     """
     if device.type != "cuda" or not math.isfinite(budget_gib):
         return 1.0
-    total = torch.cuda.get_device_properties(device).total_memory
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    total = torch.cuda.get_device_properties(index).total_memory
     fraction = min(1.0, budget_gib * GIB / total)
-    torch.cuda.set_per_process_memory_fraction(fraction, device)
+    torch.cuda.set_per_process_memory_fraction(fraction, index)
     return fraction
 
 

@@ -356,4 +356,3 @@ def test_bitwise_the_all_resident_update_on_cuda_with_streams(placement, dtype):
     opt, params = _run(dtype, 7, placement, 1.0, steps=4, device="cuda")
     if placement != "device":
         assert opt.transfers.load_stream is not None
-        assert all(opt.state[i].is_pinned() for i in opt.host_chunks)

@@ -259,7 +259,6 @@ def test_paging_and_offload_on_cuda_streams():
     expected = _grads(model)
     model.zero_grad()
     offload = _offload(model, device="cuda")
-    assert offload.arena.region.is_pinned()
     with offload.group(0):
         y = model(x).square().sum()
     offload.prefetch(0)

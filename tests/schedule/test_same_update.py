@@ -39,8 +39,9 @@ SCHEDULES = {
     },
     "auto": {"schedule.kind": "auto"},
 }
-# timing prefixes ("gc_": the garbage collector's time and passes) and the decode step's setup time
-TIMING = ("time/", "eq1/", "schedule/", "gc_", "decode/setup_s")
+# timing prefixes ("gc_": the garbage collector's time and passes), the decode step's setup time, and
+# the memory plan and bytes moved (which depend on the schedule)
+TIMING = ("time/", "eq1/", "schedule/", "gc_", "decode/setup_s", "memory/")
 
 
 def green_capable() -> bool:
