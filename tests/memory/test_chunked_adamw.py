@@ -27,18 +27,6 @@ class MasterWeightAdamW:
         lr, betas, eps, weight_decay: as ``torch.optim.AdamW``.
     """
 
-    @classmethod
-    def for_model(cls, model: torch.nn.Module, optim) -> MasterWeightAdamW:
-        """Over ``model``'s trainable parameters, with the settings of an ``OptimConfig`` (config.optim)."""
-        params = [p for p in model.parameters() if p.requires_grad]
-        return cls(
-            params,
-            lr=optim.lr,
-            betas=(optim.beta1, optim.beta2),
-            eps=optim.eps,
-            weight_decay=optim.weight_decay,
-        )
-
     def __init__(
         self, params: list[torch.nn.Parameter], *, lr: float, betas, eps: float, weight_decay: float
     ):
