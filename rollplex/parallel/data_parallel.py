@@ -51,6 +51,18 @@ def local_groups(groups: int, dp: Comm) -> range:
     return range(dp.rank * n, dp.rank * n + n)
 
 
+def split_range(count: int, parts: int, index: int) -> range:
+    """Part ``index`` of ``parts`` contiguous, nearly equal blocks of ``range(count)``: the first
+    ``count % parts`` blocks hold one item more; a block may be empty. Equal to ``local_groups`` where
+    ``parts`` divides ``count``.
+
+    Example: count 5, parts 2 -> range(0, 3), range(3, 5).
+    """
+    size, extra = divmod(count, parts)
+    start = index * size + min(index, extra)
+    return range(start, start + size + (index < extra))
+
+
 def global_count(count: torch.Tensor, dp: Comm) -> torch.Tensor:
     """The sum over the data-parallel group of a count (valid tokens, sequences): float64 scalar
     tensor on ``count``'s device, equal on every rank; what the loss divides by."""
