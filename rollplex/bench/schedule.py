@@ -45,7 +45,8 @@ import torch
 from rollplex.bench.common import PromptShape, Workload, bench_device, synthetic_prompt, workload_model
 from rollplex.bench.decode import copy_bandwidth, step_bytes
 from rollplex.bench.fingerprint import differing, first_difference, optimizer_fingerprints, step_fingerprints
-from rollplex.bench.variants import BASELINES, MAIN_ROWS, ROWS
+from rollplex.bench.parallel import run_parallel_schedule_bench, world_size
+from rollplex.bench.variants import BASELINES, MAIN_ROWS, ROWS, TORCHRUN_ROWS
 from rollplex.config import Config, ConfigError, load_config
 from rollplex.determinism import use_deterministic_algorithms
 from rollplex.models.compiled import compile_fallback, compiled_scope, compiles_layers
@@ -118,26 +119,7 @@ class _Workload:
         with torch.no_grad():
             for name, value in self.actor.state_dict().items():
                 value.copy_(self.initial[name])
-        workload = {
-            "rollout.group_size": cfg.group_size,
-            "rollout.prompts_per_step": cfg.groups,
-            "rollout.max_response_tokens": cfg.response_tokens,
-            "reward.functions": "[rollplex.bench.common:distinct_reward]",
-            "schedule.auto_trials": cfg.auto_trials,
-            "rollout.decode_attention": cfg.decode_attention,
-            "rollout.compile_decode": cfg.compile_decode,
-            "rollout.compile_mode": cfg.compile_mode,
-            "rollout.fused_projections": cfg.fused_projections,
-            "rollout.fused_sampling": cfg.fused_sampling,
-            "rollout.fused_gate": cfg.fused_gate,
-            "model.vision_attention": cfg.vision_attention,
-            "model.vision_mlp_padding": cfg.vision_mlp_padding,
-            "model.compile_layers": cfg.compile_layers,
-            "model.compile_scope": cfg.compile_scope,
-            "run.deterministic": cfg.deterministic,  # recorded; run_schedule_bench sets it process-wide
-        }
-        row = {k: self.sms // 2 if v == "half" else v for k, v in overrides.items()}
-        config = load_config(None, [*_items(workload), *cfg.overrides, *_items(row)])
+        config = row_config(overrides, cfg, self.sms)
         if self.checkpointing:
             enable_checkpointing(self.actor, layer_recompute=config.model.layer_recompute)
         model_cfg = config.model
@@ -154,6 +136,31 @@ class _Workload:
         sampling = SamplingParams.from_config(config.rollout, (self.eos,), self.eos, self.banned)
         generator = torch.Generator(device=self.device).manual_seed(0)
         return Roles(self.actor, self.reference, optimizer, self.tokenizer, sampling, generator, config)
+
+
+def row_config(overrides: dict, cfg: ScheduleBenchConfig, sms: int) -> Config:
+    """The config of one row: the workload's settings, then ``cfg.overrides``, then the row's own
+    (``overrides``; "half" = half the device's ``sms``)."""
+    workload = {
+        "rollout.group_size": cfg.group_size,
+        "rollout.prompts_per_step": cfg.groups,
+        "rollout.max_response_tokens": cfg.response_tokens,
+        "reward.functions": "[rollplex.bench.common:distinct_reward]",
+        "schedule.auto_trials": cfg.auto_trials,
+        "rollout.decode_attention": cfg.decode_attention,
+        "rollout.compile_decode": cfg.compile_decode,
+        "rollout.compile_mode": cfg.compile_mode,
+        "rollout.fused_projections": cfg.fused_projections,
+        "rollout.fused_sampling": cfg.fused_sampling,
+        "rollout.fused_gate": cfg.fused_gate,
+        "model.vision_attention": cfg.vision_attention,
+        "model.vision_mlp_padding": cfg.vision_mlp_padding,
+        "model.compile_layers": cfg.compile_layers,
+        "model.compile_scope": cfg.compile_scope,
+        "run.deterministic": cfg.deterministic,  # recorded; run_schedule_bench sets it process-wide
+    }
+    row = {k: sms // 2 if v == "half" else v for k, v in overrides.items()}
+    return load_config(None, [*_items(workload), *cfg.overrides, *_items(row)])
 
 
 def _items(settings: dict) -> list[str]:
@@ -374,6 +381,12 @@ def run_schedule_bench(cfg: ScheduleBenchConfig, out: Path | None = None) -> Sch
     repeated = sorted({name for name in cfg.rows if cfg.rows.count(name) > 1})
     if repeated:
         raise ValueError(f"schedule rows given more than once: {repeated} (serial-again repeats serial)")
+    if world_size() > 1:  # under torchrun: every process its shard of each row
+        _checked_overrides(cfg.overrides)
+        return run_parallel_schedule_bench(cfg, out, row_config, ScheduleBenchResult)
+    alone = sorted(set(cfg.rows) & set(TORCHRUN_ROWS))
+    if alone:
+        raise ValueError(f"schedule rows {alone} need several processes: run rollplex bench under torchrun")
     overridden = _checked_overrides(cfg.overrides)
     if cfg.deterministic or overridden.run.deterministic:
         use_deterministic_algorithms()  # before the workload's first product (see its docstring)

@@ -91,6 +91,11 @@ serial-flex           serial, the suffix attention as flex_attention with a bloc
                       the blocks where a response would see another response's keys
                       (model.suffix_attention: flex; CUDA only)
 both-flex             both, likewise
+disaggregated         the paper's Disagg baseline (under torchrun only): half the GPUs only decode,
+                      the other half train, serial schedule; the training half keeps
+                      parallel.tp_train (at most half the GPUs) as dp × tp_train, the rollout half
+                      decodes at parallel.tp_rollout; the new weights go to the rollout GPUs after
+                      every update
 """
 ROWS = {
     "serial": {"schedule.kind": "serial"},
@@ -113,6 +118,12 @@ ROWS = {
     "serial-window128": {"schedule.kind": "serial", "rollout.graph_window": 128},
     "both-window128": {**_BOTH, "rollout.graph_window": 128},
     "serial-again": {"schedule.kind": "serial"},
+    # parallel.rollout_gpus and the degrees follow the world size under torchrun (bench.parallel.resolve_row)
+    "disaggregated": {
+        "schedule.kind": "serial",
+        "parallel.placement": "disaggregated",
+        "parallel.rollout_gpus": 1,
+    },
     **{
         f"{row}-{name}": {**settings, "model.suffix_attention": name}
         for name in _SUFFIX_ROWS
@@ -127,6 +138,7 @@ BASELINES = {
     name: next((f"serial{end}" for end in _OWN_BASELINE if name.endswith(end)), "serial") for name in ROWS
 }
 MAIN_ROWS = ("serial", "overlap", "fusion", "both", "auto")
+TORCHRUN_ROWS = ("disaggregated",)  # rows that need several processes (rollplex bench under torchrun)
 
 # config fields that set a workload setting of every benchmark (``rollplex bench ... key=value``), each
 # with the benchmark setting (bench.common.Workload field) it sets

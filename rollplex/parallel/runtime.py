@@ -63,20 +63,24 @@ class ParallelRuntime:
         actor: nn.Module,
         reference: nn.Module | None,
         device: torch.device,
+        shapes: dict[str, tuple[int, ...]] | None = None,
     ) -> ParallelRuntime:
         """Shard ``actor`` and ``reference`` (full weights, equal on every rank, on any device) in place
-        for this rank, move them to ``device``, and bind the rollout's weights there.
+        for this rank, move them to ``device``, and bind the rollout's weights there. With ``shapes``
+        (every parameter's full shape) the models come sharded already, on ``device`` (built shard by
+        shard: bench.parallel.sharded_random_model).
 
         Raises:
             ValueError: a degree the model's sizes do not allow (tensor_parallel.shard_model).
         """
-        shapes = {name: tuple(p.shape) for name, p in actor.named_parameters()}
-        degree = ctx.train_tp if ctx.trains else ctx.rollout_tp
-        for model in (actor, reference):
-            if model is not None:
-                if degree.size > 1:
-                    shard_model(model, degree)
-                model.to(device)
+        if shapes is None:
+            shapes = {name: tuple(p.shape) for name, p in actor.named_parameters()}
+            degree = ctx.train_tp if ctx.trains else ctx.rollout_tp
+            for model in (actor, reference):
+                if model is not None:
+                    if degree.size > 1:
+                        shard_model(model, degree)
+                    model.to(device)
         shared = None
         if ctx.trains and not ctx.layout.rollout_gpus:
             copied = not cfg.parallel.shared_weights

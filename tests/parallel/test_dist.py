@@ -88,7 +88,9 @@ def test_prefill_fusion_only_where_rollout_decodes_in_the_training_layout():
     with pytest.raises(ConfigError, match=r"parallel\.tp_train=4 conflicts with parallel\.tp_rollout=2"):
         load_config(None, [*degrees, *fused])
     apart = ["parallel.placement=disaggregated", "parallel.rollout_gpus=1"]
-    with pytest.raises(ConfigError, match=r"schedule\.prefill_fusion=True conflicts with parallel\.placement"):
+    with pytest.raises(
+        ConfigError, match=r"schedule\.prefill_fusion=True conflicts with parallel\.placement"
+    ):
         load_config(None, [*apart, *fused])
     assert not uses_prefill_fusion(load_config(None, [*degrees, "schedule.kind=auto"]))
     assert not uses_prefill_fusion(load_config(None, [*apart, "schedule.kind=auto"]))
