@@ -16,10 +16,12 @@ transposed), which elementwise AdamW does not mind.
 Metrics (``reduce_metrics``): rank 0 prints the slowest rank's times (MAX), the sums of counts, and
 the mean of everything else.
 
-Integration (later): loop.py gives each replica ``local_groups``; algo's loss takes the token count from
-``global_count``; after the last micro-batch's backward ``all_reduce_gradients(params, ctx.dp)``; the
-gradient norm for clipping is then equal on every rank; the chunked optimizer steps ``owned_ranges``
-and calls ``gather_owned``, then ``SharedWeights.refresh``; the metrics line is ``reduce_metrics``.
+Where the run uses them: the loop gives each replica its block of the step's groups
+(``parallel.runtime.ParallelRuntime.replica_share``, ``split_range``); phases.actor_backward divides the
+loss by the global token and sequence counts (``ParallelRuntime.global_counts``); the optimizer step
+(parallel.optimizer) runs ``all_reduce_gradients``, the chunked optimizer over ``owned_ranges`` and
+``gather_owned``, then ``SharedWeights.refresh``; rank 0's metrics are reduced by
+``parallel.runtime.step_reduction``.
 """
 
 from __future__ import annotations

@@ -35,10 +35,12 @@ collectives (a bad record, a missing file on one node), ``guard`` around each ph
 failure flag at the phase's end, so every rank stops at the same boundary: the failed rank re-raises
 its own error and the others raise ``RankFailure`` naming it.
 
-Integration (later): cli.py's ``train`` calls ``init_parallel(cfg.parallel)`` first, then
-``check_parallel`` with the model config, ``configure_logging``, and ``close_parallel`` at the end;
-loop.py writes metrics and checkpoints only where ``ctx.is_writer``, and wraps each phase in
-``guard(ctx, "<phase>")``.
+Where the run uses them: ``loop.train`` calls ``init_parallel(cfg.parallel)`` first, then
+``configure_logging``, ``check_parallel`` with the model's config, and ``close_parallel`` at the end;
+it writes logs, metrics, the trace and checkpoints only where ``ctx.is_writer`` and puts ``guard``
+around set-up, each step, evaluation and each stage of a checkpoint (the phases inside a step differ
+between the training and the rollout ranks of a disaggregated run, so the step is the finest boundary
+every rank shares).
 """
 
 from __future__ import annotations

@@ -37,7 +37,8 @@ rollout.decode, which must not import this package, test ``getattr(model, "rollp
     rollout.decode.step_inputs             -> tp.embed(token, embedding_shard)
     rollout.decode.layer_post              -> tp.all_reduce(F.linear(attention, wo)) and the same
                                               after down_proj (row-parallel partial sums)
-    rollout.decode.StaticDecoder._step     -> tp.sample(logits_shard, generator, **race options)
+    rollout.decode.StaticDecoder._sample   -> tp.race(logits_shard, noise rows of the full [B, V])
+                                              (rollout.sampler.sample_rows draws the noise)
     rollout.decode.DecodeShape             heads / kv_heads from tp.heads / tp.kv_heads
 """
 

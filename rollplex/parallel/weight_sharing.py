@@ -22,11 +22,12 @@ handles Case 3: ``classify(..., training=megatron_shards)`` models the paper's M
 (fused QKV interleaved per key/value group) against a vLLM-style rollout and reproduces its 60.0 /
 32.8 / 7.2 % for Qwen2.5-VL-32B at TP 8 → 4.
 
-Integration (later): the chunked optimizer writes updated BF16 values into the training parameters
-(views: ``storage_view`` gives the contiguous storage-order view to stream through), then
-``refresh()`` before rollout binds θ_{k+1}; ``decode_tensors(i)``, ``embedding()``, ``lm_head()`` and
-``rollout_head()`` are what the decode step reads at TP_rollout; ``case_rows`` is what ``rollplex plan``
-prints.
+Where the run uses it: parallel.runtime binds it when the run is colocated (and on disaggregated
+rollout ranks, at q = 1); the chunked optimizer writes the updated values into the training parameters
+(views, flattened in storage order: ``storage_view``), then ``refresh()`` runs before rollout reads
+θ_{k+1} (parallel.optimizer's ``after_update``); ``decode_tensors(i)``, ``embedding()``, ``lm_head()``
+and ``rollout_head()`` are what the decode step reads at TP_rollout (rollout.decode.EngineShard);
+``case_rows`` is what the log and ``rollplex plan`` print.
 """
 
 from __future__ import annotations

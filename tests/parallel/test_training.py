@@ -21,6 +21,7 @@ What must be equal, and how:
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -223,26 +224,45 @@ def test_resume_under_dp2_continues_bitwise_and_another_world_is_refused(ranks, 
         recorded_train(settings(assets, split, steps=3), resume=True)
 
 
+def torchrun_train(config: Path, items: list[str], env: dict) -> str:
+    """``torchrun --nproc-per-node 2 -m rollplex train CONFIG key=value ...``; its log (stdout, stderr)."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
+    cmd += ["-m", "rollplex", "train", str(config), *items]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), **env}
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600, cwd=ROOT)
+    log = done.stdout + done.stderr
+    assert done.returncode == 0, log
+    return log
+
+
 def test_torchrun_two_processes_train_three_steps_and_log_their_layout(assets, tmp_path):
     """The real entry point: ``torchrun --nproc-per-node 2 -m rollplex train CONFIG key=value`` on the
     CPU; rank 0 logs the layout (degrees, placement, the Case 1/2/3 split) and writes the run."""
     config = tmp_path / "run.yaml"
     config.write_text("parallel:\n  dp: 1\n  tp_train: 2\n  tp_rollout: 2\n")
     out = tmp_path / "run"
-    items = settings(assets, out, steps=3, **{"run.save_every": 0})
-    env = {"CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
-    cmd += ["-m", "rollplex", "train", str(config), *items]
-    import os
-
-    done = subprocess.run(
-        cmd, env={**os.environ, **env}, capture_output=True, text=True, timeout=240, cwd=ROOT
+    log = torchrun_train(
+        config, settings(assets, out, steps=3, **{"run.save_every": 0}), {"CUDA_VISIBLE_DEVICES": ""}
     )
-    log = done.stdout + done.stderr
-    assert done.returncode == 0, log
     assert "parallel layout: 2 processes, dp=1, tp_train=2, tp_rollout=2, colocated" in log
     assert "Case 1:" in log and "Case 2:" in log and "Case 3: 0 tensors" in log
     assert log.count("parallel layout:") == 1  # rank 0 alone
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2, 3]
+    assert (out / "checkpoints" / "step_000003" / "rank_00001.pt").is_file()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+@pytest.mark.parametrize(
+    "layout", ["tp_train: 2\n  tp_rollout: 1", "dp: 2", "placement: disaggregated\n  rollout_gpus: 1"]
+)
+def test_torchrun_on_two_gpus_in_bfloat16(assets, tmp_path, layout):
+    """The same entry point on two GPUs: NCCL, bfloat16, the in-place all-gather of the refresh
+    (tp 2 -> 1), data parallelism and the disaggregated hand-over; three steps each, checkpoints written."""
+    config = tmp_path / "run.yaml"
+    config.write_text(f"run:\n  dtype: bfloat16\nparallel:\n  {layout}\n")
+    out = tmp_path / "run"
+    log = torchrun_train(config, settings(assets, out, steps=3), {})
+    assert log.count("parallel layout:") == 1
     assert (out / "checkpoints" / "step_000003" / "rank_00001.pt").is_file()
