@@ -318,7 +318,7 @@ def build_context(parallel: ParallelConfig, rank: int, world: int, device: torch
     """
     check_world(parallel, world)
     layout = layout_of(parallel, world)
-    on = dist.is_available() and dist.is_initialized() and world > 1
+    on = world > 1 and dist.is_available() and dist.is_initialized()  # world 1: no torch.distributed call
     everyone = (tuple(range(world)),)
     world_comm = Comm(everyone[0], rank, dist.group.WORLD if on else None)
     watch = Comm(everyone[0], rank, dist.new_group(list(everyone[0])) if on else None)
@@ -355,8 +355,9 @@ def init_parallel(parallel: ParallelConfig, *, init_method: str | None = None) -
     check_world(parallel, world)
     device = torch.device("cpu")
     if torch.cuda.is_available():
-        torch.cuda.set_device(local)
         device = torch.device("cuda", local)
+        if world > 1:
+            torch.cuda.set_device(local)
     owns = world > 1 and not dist.is_initialized()
     if owns:
         backend = "nccl" if device.type == "cuda" else "gloo"

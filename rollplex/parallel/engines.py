@@ -31,6 +31,7 @@ sample, and the generators of all ranks stay in step from rollout to rollout.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -300,10 +301,7 @@ class _HostClock:
     """A training rank's wait for the rollout GPUs as a decode timeline: from the start to the end."""
 
     def __init__(self):
-        import time
-
-        self._time = time.perf_counter
-        self.start = self._time()
+        self.start = time.perf_counter()
 
     def timeline(self) -> DecodeTimeline:
-        return DecodeTimeline([(0, self.start), (0, self._time())])
+        return DecodeTimeline([(0, self.start), (0, time.perf_counter())])

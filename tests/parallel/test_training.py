@@ -9,7 +9,7 @@ What must be equal, and how:
   process samples (the responses are also padded to the same width). With TP_rollout > 1 the
   vocabulary-parallel race forms the keys from shard maxima (parallel.vocab_parallel): a token could
   differ only where two candidates' keys tie to float32 rounding, which these runs do not meet.
-- parameters after 2 steps, within 5e-5 absolute (5 % of one step's largest update, lr = 1e-3):
+- parameters after 2 steps, within 1e-4 absolute (a tenth of one step's largest update, lr = 1e-3):
   float32 sums are taken in another order (each replica's half of the batch, gradients all-reduced;
   TP's partial sums; the clipping norm as a float64 sum of squares instead of torch's norm of per-tensor
   norms), and Adam's update g / (√v + ε) carries a gradient's relative rounding into the weights at up
@@ -35,7 +35,7 @@ from rollplex.data.synth import generate_dataset
 from rollplex.models.presets import init_checkpoint
 
 ROOT = Path(__file__).resolve().parents[2]
-ATOL = 5e-5
+ATOL = 1e-4
 
 
 @pytest.fixture(scope="module")
