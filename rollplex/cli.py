@@ -593,6 +593,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     elif extra:
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
     try:
+        _check_torchrun(args)
         status = _handler(args)(args)
         sys.stdout.flush()  # a reader that went away shows here, not in the interpreter's exit
     except ValueError as exc:
@@ -620,6 +621,29 @@ def _handler(args: argparse.Namespace) -> Callable:
     from torch.distributed.elastic.multiprocessing.errors import record
 
     return record(args.handler)
+
+
+def _check_torchrun(args: argparse.Namespace) -> None:
+    """Under torchrun only ``train`` and ``bench schedule`` split their work over the processes.
+
+    Raises:
+        ValueError: another command started by torchrun with several processes.
+    """
+    import os
+
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1 and args.command in (
+        "bench",
+        "plan",
+        "report",
+        "data",
+        "model",
+    ):
+        sub = getattr(args, "bench_command", None)
+        if sub != "schedule":
+            name = f"{args.command} {sub}" if sub else args.command
+            raise ValueError(
+                f"rollplex {name} runs in one process; under torchrun run train or bench schedule"
+            )
 
 
 def _rank_prefix() -> str:
