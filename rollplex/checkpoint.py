@@ -16,6 +16,13 @@ then replaces ``latest`` atomically (``os.replace``), and only then removes chec
 (each first renamed to a hidden ``.trash-*`` name, so a half-deleted folder never looks complete).
 A process killed at any point leaves the previous checkpoint intact and ``latest`` naming it; the hidden
 leftovers are ignored by readers and removed by the next save.
+
+A run of several processes (torchrun) writes one checkpoint with the same ``hf/`` folder (rank 0
+gathers the tensor-parallel shards into full tensors: users get Hugging Face weights back) and
+``trainer_state.pt`` (the run's state and its ``parallel`` layout), plus one ``rank_NNNNN.pt`` per
+process (its optimizer shard and random states; ``save_sharded_checkpoint``). Every rank writes its
+file into the same hidden folder before rank 0 writes the marker and renames it, so the same atomicity
+holds. The run folder must be on a file system every node sees.
 """
 
 from __future__ import annotations
@@ -32,6 +39,7 @@ import numpy as np
 import torch
 
 from rollplex.files import make_readable
+from rollplex.parallel.dist import ParallelContext, guard
 
 CHECKPOINTS = "checkpoints"
 LATEST = "latest"
@@ -134,9 +142,20 @@ def checkpoint_step(ckpt: Path) -> int:
     return int(json.loads((ckpt / MARKER).read_text())["step"])
 
 
-def _write_contents(tmp: Path, step: int, model: Any, processor: Any, trainer_state: dict) -> None:
-    """Model, processor and trainer state into ``tmp``, then fsync, then the marker (fsynced) last."""
-    model.save_pretrained(tmp / HF_DIR)
+def rank_state_name(rank: int) -> str:
+    """File of rank ``rank``'s training state in a checkpoint of several processes."""
+    return f"rank_{rank:05d}.pt"
+
+
+def _write_contents(
+    tmp: Path, step: int, model: Any, processor: Any, trainer_state: dict, weights: dict | None = None
+) -> None:
+    """Model (``weights`` as its state dict when given), processor and trainer state into ``tmp``, then
+    fsync, then the marker (fsynced) last, listing every file in ``tmp`` (rank files included)."""
+    if weights is None:
+        model.save_pretrained(tmp / HF_DIR)
+    else:
+        model.save_pretrained(tmp / HF_DIR, state_dict=weights)
     if processor is not None:
         processor.save_pretrained(tmp / HF_DIR)
     torch.save(trainer_state, tmp / TRAINER_STATE)
@@ -161,10 +180,11 @@ def _prune(root: Path, keep: int, newest: Path) -> None:
         shutil.rmtree(trash)
 
 
-def _check_finite(model: Any, step: int) -> None:
+def _check_finite(model: Any, step: int, weights: dict | None = None) -> None:
     """Refuse to save weights with a NaN or inf (they would replace, and prune, the good checkpoints).
-    Checks ``model.named_parameters()`` where the model has them, with one device synchronisation."""
-    named = getattr(model, "named_parameters", None)
+    Checks ``weights`` (name -> tensor) or else ``model.named_parameters()`` where the model has them,
+    with one device synchronisation."""
+    named = weights.items if weights is not None else getattr(model, "named_parameters", None)
     if named is None:
         return
     params = [(name, p) for name, p in named() if p.is_floating_point()]
@@ -196,11 +216,27 @@ def save_checkpoint(
     the same step that ``latest`` does not name (left by a save killed before its ``latest`` update) is
     replaced.
     """
+    _check_arguments(step, keep)
+    _check_finite(model, step)
+    final, tmp = _prepare(run_dir, step)
+    _write_contents(tmp, step, model, processor, trainer_state)
+    return _publish(run_dir, final, tmp, keep)
+
+
+def _check_arguments(step: int, keep: int) -> None:
     if keep < 1:
         raise ValueError(f"keep={keep} must be >= 1")
     if step < 0:
         raise ValueError(f"step={step} must be >= 0")
-    _check_finite(model, step)
+
+
+def _prepare(run_dir: Path, step: int) -> tuple[Path, Path]:
+    """The final and the hidden temporary folder of ``step``'s checkpoint, the temporary one created
+    (``save_checkpoint``'s clean-up of leftovers and of an unpublished folder of the same step).
+
+    Raises:
+        ValueError: the step's checkpoint exists and is the latest.
+    """
     root = Path(run_dir) / CHECKPOINTS
     root.mkdir(parents=True, exist_ok=True)
     _remove_leftovers(root)
@@ -214,12 +250,94 @@ def save_checkpoint(
         _remove_leftovers(root)
     tmp = root / f".tmp-{final.name}"
     tmp.mkdir()
-    _write_contents(tmp, step, model, processor, trainer_state)
+    return final, tmp
+
+
+def _publish(run_dir: Path, final: Path, tmp: Path, keep: int) -> Path:
+    """Rename the complete temporary folder onto ``final``, point ``latest`` at it, prune."""
+    root = final.parent
     os.rename(tmp, final)
     _fsync_path(root)
     _write_text_atomic(root / LATEST, final.name + "\n")
     _prune(root, keep, final)
     return final
+
+
+def save_sharded_checkpoint(
+    run_dir: Path,
+    step: int,
+    *,
+    ctx: ParallelContext,
+    model: Any,
+    weights: dict | None,
+    processor: Any,
+    trainer_state: dict,
+    rank_state: dict,
+    keep: int,
+) -> Path:
+    """``save_checkpoint`` for a run of several processes; every rank calls it.
+
+    Rank 0 prepares the hidden folder; every rank writes ``rank_state`` (its optimizer shard, random
+    states) there as ``rank_NNNNN.pt``; then rank 0 writes ``hf/`` from ``weights`` (the full tensors
+    ``parallel.runtime.ParallelRuntime.full_state_dict`` gathered; ``model`` gives its config),
+    ``trainer_state.pt`` and the marker, and publishes the folder. The ranks meet between the stages
+    (``parallel.dist.guard``: a failure on any rank stops every rank there, nothing published).
+
+    Raises:
+        ValueError: as ``save_checkpoint`` (on rank 0; ``RankFailure`` on the others).
+    """
+    root = Path(run_dir) / CHECKPOINTS
+    final, tmp = root / step_dir_name(step), root / f".tmp-{step_dir_name(step)}"
+    with guard(ctx, "checkpoint"):
+        if ctx.is_writer:
+            _check_arguments(step, keep)
+            _check_finite(model, step, weights)
+            final, tmp = _prepare(run_dir, step)
+    with guard(ctx, "checkpoint"):
+        torch.save(rank_state, tmp / rank_state_name(ctx.rank))
+    with guard(ctx, "checkpoint"):
+        if ctx.is_writer:
+            _write_contents(tmp, step, model, processor, trainer_state, weights)
+            _publish(run_dir, final, tmp, keep)
+    return final
+
+
+def load_rank_state(ckpt: Path, rank: int) -> dict:
+    """Rank ``rank``'s file of a checkpoint of several processes (``save_sharded_checkpoint``).
+
+    Raises:
+        ValueError: the checkpoint is incomplete or has no file of this rank.
+    """
+    checkpoint_step(ckpt)
+    path = Path(ckpt) / rank_state_name(rank)
+    if not path.is_file():
+        raise ValueError(
+            f"checkpoint {str(ckpt)!r} has no {path.name}: it was not written by this rank's run"
+        )
+    return torch.load(path, map_location="cpu", weights_only=False)
+
+
+def check_layout(state: dict, layout: dict, ckpt: Path) -> None:
+    """A checkpoint resumes only on the world size and ``parallel:`` section that wrote it.
+
+    Args:
+        state: its ``trainer_state`` (``parallel``: the writer's layout; absent: one process).
+        layout: this run's (``ParallelRuntime.layout_key``; ``{"world": 1}`` for one process).
+
+    Raises:
+        ValueError: the layouts differ, naming both.
+    """
+    saved = state.get("parallel") or {"world": 1}
+    if saved != layout:
+
+        def text(lay: dict) -> str:
+            return ", ".join(f"{k}={v}" for k, v in lay.items())
+
+        raise ValueError(
+            f"checkpoint {str(ckpt)!r} was written by a run of {saved['world']} process(es) ({text(saved)}); "
+            f"this run has {text(layout)}: resume with the same WORLD_SIZE (torchrun --nproc-per-node × "
+            "nodes) and parallel section, or start a new run"
+        )
 
 
 def load_trainer_state(ckpt: Path) -> dict:

@@ -5,6 +5,11 @@ or broken component fails only its own command. User errors (``ValueError`` and 
 ``ConfigError`` and ``DatasetError``) print one line ``rollplex: error: <message>`` on stderr and exit
 with status 2, without a traceback.
 
+``train`` and ``bench`` run SPMD under torchrun as well (``torchrun --nproc-per-node 8 -m rollplex train
+run.yaml``; docs/parallelism.md): their handler is wrapped in torch.distributed.elastic's
+``errors.record``, so torchrun's summary names the first failed rank with its traceback, and an error
+line names the rank that printed it.
+
 Examples:
     rollplex train                                   # the embedded default run
     rollplex train run.yaml rollout.group_size=4 --resume
@@ -595,11 +600,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     elif extra:
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
     try:
-        status = args.handler(args)
+        _check_torchrun(args)
+        status = _handler(args)(args)
         sys.stdout.flush()  # a reader that went away shows here, not in the interpreter's exit
     except ValueError as exc:
         message = " ".join(line.strip() for line in str(exc).splitlines() if line.strip())
-        print(f"rollplex: error: {message}", file=sys.stderr)
+        print(f"rollplex: error: {_rank_prefix()}{message}", file=sys.stderr)
         return 2
     except BrokenPipeError:  # output piped into a reader that stopped early (`| head`): no traceback
         fd = _broken_stdout()
@@ -609,6 +615,51 @@ def main(argv: Sequence[str] | None = None) -> int:
             _drop_output(fd)
         return 1
     return status or 0
+
+
+def _handler(args: argparse.Namespace) -> Callable:
+    """The command's handler; under torchrun (its agent sets ``TORCHELASTIC_RUN_ID``) ``train`` and
+    ``bench`` wrapped in torch.distributed.elastic's ``errors.record``, which writes a failure's
+    traceback where the agent reads it and re-raises."""
+    import os
+
+    if args.command not in ("train", "bench") or "TORCHELASTIC_RUN_ID" not in os.environ:
+        return args.handler
+    from torch.distributed.elastic.multiprocessing.errors import record
+
+    return record(args.handler)
+
+
+def _check_torchrun(args: argparse.Namespace) -> None:
+    """Under torchrun only ``train`` and ``bench schedule`` split their work over the processes.
+
+    Raises:
+        ValueError: another command started by torchrun with several processes.
+    """
+    import os
+
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1 and args.command in (
+        "bench",
+        "plan",
+        "report",
+        "data",
+        "model",
+    ):
+        sub = getattr(args, "bench_command", None)
+        if sub != "schedule":
+            name = f"{args.command} {sub}" if sub else args.command
+            raise ValueError(
+                f"rollplex {name} runs in one process; under torchrun run train or bench schedule"
+            )
+
+
+def _rank_prefix() -> str:
+    """``"rank R: "`` in a process of a torchrun job of several processes, else ``""``."""
+    import os
+
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        return f"rank {os.environ.get('RANK', '?')}: "
+    return ""
 
 
 def _broken_stdout() -> int | None:

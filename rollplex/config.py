@@ -407,6 +407,11 @@ class ParallelConfig:
     rollout_gpus: int = _field(
         0, "disaggregated placement: GPUs that only decode, a multiple of tp_rollout (0 when colocated)", ge=0
     )
+    shared_weights: bool = _field(
+        True,
+        "colocated: rollout reads the actor's weights in place (one physical copy); false keeps a second, "
+        "rollout-layout copy refreshed after every update (the no-sharing baseline)",
+    )
 
     def __post_init__(self) -> None:
         if self.tp_train % self.tp_rollout:
@@ -728,6 +733,7 @@ def _check_conflicts(cfg: Config) -> None:
     _check_batching(cfg.rollout, cfg.algo)
     _check_rewards(cfg.reward)
     _check_schedule(cfg)
+    _check_fusion_layout(cfg)
     cascade_kernel_names(cfg.model.cascade_kernels)
     _check_logging_packages(cfg.logging)
 
@@ -763,6 +769,26 @@ def _check_schedule(cfg: Config) -> None:
             "then run on the limited SMs too"
         )
         raise conflict("schedule.prefix_sms", sched.prefix_sms, "schedule.prefill_fusion", False, why)
+
+
+def _check_fusion_layout(cfg: Config) -> None:
+    """Prefill fusion seeds decode with the actor prefix's boundary KV, which has the training layout:
+    only where rollout decodes in that layout, on the same GPUs."""
+    sched, par = cfg.schedule, cfg.parallel
+    if sched.prefill_fusion and par.tp_train != par.tp_rollout:
+        why = "schedule.prefill_fusion needs rollout and training in the same tensor-parallel layout"
+        raise conflict("parallel.tp_train", par.tp_train, "parallel.tp_rollout", par.tp_rollout, why)
+    if sched.prefill_fusion and par.placement == "disaggregated":
+        why = "schedule.prefill_fusion needs rollout on the training GPUs"
+        raise conflict("schedule.prefill_fusion", True, "parallel.placement", par.placement, why)
+
+
+def uses_prefill_fusion(cfg: Config) -> bool:
+    """Whether the actor prefix seeds decode: ``schedule.prefill_fusion``, and ``auto`` wherever the
+    layout allows it (colocated, tp_train == tp_rollout; ``_check_fusion_layout``)."""
+    par = cfg.parallel
+    same_layout = par.tp_train == par.tp_rollout and par.placement == "colocated"
+    return cfg.schedule.prefill_fusion or (cfg.schedule.kind == "auto" and same_layout)
 
 
 def cascade_kernel_names(text: str) -> tuple[str, str] | None:

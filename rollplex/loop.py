@@ -1,6 +1,12 @@
 """``rollplex train``: set up the roles and data, run iterations, log, evaluate, checkpoint, resume.
 
 The iteration itself lives in schedule/ (named phases); this module owns everything around it.
+
+Under torchrun every process runs this same program (SPMD; parallel.dist): rank 0 alone writes the
+log, metrics, trace and checkpoints; every rank's failure stops the run at the next guard with the
+rank named (``parallel.dist.guard`` around set-up, each step, evaluation and checkpoints); each
+training replica takes its share of the step's groups (``parallel.runtime``). One process runs exactly
+as before and never touches torch.distributed.
 """
 
 from __future__ import annotations
@@ -12,7 +18,7 @@ import random
 import shutil
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -20,10 +26,13 @@ import torch
 
 from rollplex.algo.rewards import FORMAT_REWARDS, check_reward_config, compared_values
 from rollplex.checkpoint import (
+    check_layout,
     latest_checkpoint,
+    load_rank_state,
     load_trainer_state,
     rng_state,
     save_checkpoint,
+    save_sharded_checkpoint,
     set_rng_state,
 )
 from rollplex.config import (
@@ -65,9 +74,19 @@ from rollplex.observe.metrics import (
 )
 from rollplex.observe.sinks import MetricSinks
 from rollplex.optim import learning_rate
+from rollplex.parallel.dist import (
+    ParallelContext,
+    check_parallel,
+    close_parallel,
+    configure_logging,
+    guard,
+    init_parallel,
+)
+from rollplex.parallel.runtime import ParallelRuntime
 from rollplex.phases import ActorStats, Roles, rollout_phase, uses_temporal
 from rollplex.rollout.engine import SamplingParams
 from rollplex.schedule import make_step
+from rollplex.schedule.disaggregated import rollout_only_step
 from rollplex.types import ScoredBatch
 
 log = logging.getLogger("rollplex")
@@ -159,6 +178,7 @@ class Run:
     val_malformed: int = 0  # malformed held-out records (skipped at load)
     updates_skipped: int = 0  # optimizer updates dropped for a gradient norm that is not finite, whole run
     memory: MemoryRuntime | None = None  # the plan and residency (memory.runtime); set by build_run
+    parallel: ParallelRuntime | None = None  # this rank's part of a run of several processes
 
 
 def _check_suffix_attention(cfg: Config) -> str:
@@ -174,14 +194,26 @@ def _check_suffix_attention(cfg: Config) -> str:
     return suffix_backend(device, dtype, cfg.model.suffix_attention)
 
 
-def build_run(cfg: Config, plan: MemoryPlan | None = None) -> Run:
+def build_run(
+    cfg: Config,
+    ctx: ParallelContext | None = None,
+    actor_path: str | None = None,
+    plan: MemoryPlan | None = None,
+) -> Run:
     """Models, optimizer, sampling and data of a run (from ``cfg``, checked by ``train`` before; no
-    checkpoint applied), its memory as ``plan`` says (``memory.runtime``; default: ``plan_run``'s),
-    with the device budget enforced before the models load."""
+    checkpoint applied), its memory as ``plan`` says (``memory.runtime``; default: ``plan_run``'s), with
+    the device budget enforced before the models load. With ``ctx`` of several processes the models
+    are loaded on the CPU, sharded for this rank and moved to its GPU (``parallel.runtime``);
+    ``actor_path`` loads the actor from another folder (a resumed parallel run's checkpoint: its weights
+    before they are sharded)."""
     from transformers import AutoProcessor
 
     device = torch.device(resolve_device(cfg.run))
     dtype = resolve_dtype(cfg.run, device.type)
+    parallel_run = ctx is not None and ctx.world > 1
+    if parallel_run:
+        device = ctx.device
+    load_device = torch.device("cpu") if parallel_run else device
     plan = plan if plan is not None else plan_run(cfg, device)
     enforce_budget(plan.budget_gib, device)
     seed_everything(cfg.run.seed)
@@ -194,18 +226,29 @@ def build_run(cfg: Config, plan: MemoryPlan | None = None) -> Run:
         "compile_layers": compiles_layers(cfg.model.compile_layers, device),
         "compile_scope": cfg.model.compile_scope,
     }
-    actor = load_model(cfg.model.path, dtype, device, trainable=True, **vision)
+    actor = load_model(actor_path or cfg.model.path, dtype, load_device, trainable=True, **vision)
     if cfg.model.freeze_vision:
         actor.model.visual.requires_grad_(False)
     if cfg.model.gradient_checkpointing:
         # transformers checkpoints a layer only in training mode; Qwen2.5-VL has no active dropout.
         enable_checkpointing(actor, layer_recompute=cfg.model.layer_recompute)
     reference = None
-    if cfg.algo.kl_coef > 0:
-        reference = load_model(cfg.model.path, dtype, device, trainable=False, **vision)
+    if cfg.algo.kl_coef > 0 and (not parallel_run or ctx.trains):  # rollout-only ranks score nothing
+        reference = load_model(cfg.model.path, dtype, load_device, trainable=False, **vision)
+    parallel = None
+    if parallel_run:
+        parallel = ParallelRuntime.setup(ctx, cfg, actor, reference, device)
     banned, eos_ids, pad = special_ids(actor, processor.tokenizer, cfg.model.path)
     sampling = SamplingParams.from_config(cfg.rollout, eos_ids, pad, banned.to(device))
-    memory = build_memory(plan, cfg, device, actor, reference)
+    # under torchrun the actor's optimizer is parallel.optimizer's (ZeRO-1 ChunkedAdamW over the
+    # data-parallel group, one gradient reduction, the global norm, the rollout refresh after it)
+    make_optimizer = None
+    if parallel is not None:
+
+        def make_optimizer(pool, transfers, host_bytes):
+            return parallel.optimizer(actor, pool=pool, transfers=transfers, host_bytes=host_bytes)
+
+    memory = build_memory(plan, cfg, device, actor, reference, make_optimizer=make_optimizer)
     generator = torch.Generator(device=device).manual_seed(cfg.run.seed)
     roles = Roles(
         actor,
@@ -217,6 +260,7 @@ def build_run(cfg: Config, plan: MemoryPlan | None = None) -> Run:
         cfg,
         residency=memory.residency,
         offload=memory.offload,
+        parallel=parallel,
     )
     train_source, malformed = build_source(
         cfg,
@@ -229,7 +273,7 @@ def build_run(cfg: Config, plan: MemoryPlan | None = None) -> Run:
     val_source, val_malformed = None, 0
     if cfg.data.val_path:
         val_source, val_malformed = build_source(cfg, cfg.data.val_path, processor, actor, shuffle=False)
-    step_fn = make_step(cfg, device)
+    step_fn = make_step(cfg, device) if parallel is None or parallel.trains else rollout_only_step
     return Run(
         cfg,
         Path(cfg.run.out_dir),
@@ -241,6 +285,7 @@ def build_run(cfg: Config, plan: MemoryPlan | None = None) -> Run:
         device,
         step_fn,
         val_malformed,
+        parallel=parallel,
         memory=memory,
     )
 
@@ -265,12 +310,17 @@ def evaluate(run: Run) -> tuple[float, float | None]:
     correct = []
     for start in range(0, len(prompts), run.cfg.rollout.prompts_per_step):
         chunk = prompts[start : start + run.cfg.rollout.prompts_per_step]
+        if run.parallel is not None:  # each replica scores its share (a rollout-only rank decodes all)
+            chunk = run.parallel.replica_share(chunk)
         rollout = rollout_phase(roles, chunk, 1, greedy)
-        rewards = compute_rewards(
-            rollout.texts, [p.record for p in chunk], list(run.cfg.reward.functions), None
-        )
-        correct.append(rewards.accuracy)
-    accuracy = float(torch.cat(correct).float().mean()) if correct else float("nan")
+        if chunk and (run.parallel is None or run.parallel.trains):
+            rewards = compute_rewards(
+                rollout.texts, [p.record for p in chunk], list(run.cfg.reward.functions), None
+            )
+            correct.append(rewards.accuracy.float())
+    accuracy = float(torch.cat(correct).mean()) if correct else float("nan")
+    if run.parallel is not None:
+        accuracy = run.parallel.mean_over_replicas(correct)
     records = [p.record for p in prompts]
     chance = None
     if records and all(r.problem_type == "multiple choice" for r in records):
@@ -329,15 +379,51 @@ def temporal_metrics(scored: ScoredBatch) -> dict[str, float]:
 
 
 def trainer_state(run: Run, step: int) -> dict:
+    return {**_run_state(run, step), **_rank_state(run)}
+
+
+def _run_state(run: Run, step: int) -> dict:
+    """The state every process of a run shares: step, data cursor, schedule, skipped updates."""
     return {
         "step": step,
-        "optimizer": run.roles.optimizer.state_dict(),
-        "rng": rng_state(),
-        "generator": run.roles.generator.get_state(),
         "train_cursor": run.train.state_dict(),
         "schedule": run.step_fn.state_dict() if hasattr(run.step_fn, "state_dict") else None,
         "updates_skipped": run.updates_skipped,
     }
+
+
+def _rank_state(run: Run) -> dict:
+    """A process's own state: its optimizer (its ZeRO-1 shard under torchrun) and random states."""
+    return {
+        "optimizer": run.roles.optimizer.state_dict(),
+        "rng": rng_state(),
+        "generator": run.roles.generator.get_state(),
+    }
+
+
+def _restore_run_state(run: Run, state: dict) -> int:
+    run.train.load_state_dict(state["train_cursor"])
+    if state.get("schedule") is not None and hasattr(run.step_fn, "load_state_dict"):
+        run.step_fn.load_state_dict(state["schedule"])
+    run.updates_skipped = int(state.get("updates_skipped", 0))
+    return int(state["step"])
+
+
+def _restore_rank_state(run: Run, state: dict) -> None:
+    run.roles.optimizer.load_state_dict(state["optimizer"])
+    set_rng_state(state["rng"])
+    run.roles.generator.set_state(state["generator"])
+
+
+def restore_parallel(run: Run, ckpt: Path) -> int:
+    """A parallel run's state from ``ckpt`` (its weights were loaded with the model: ``build_run``'s
+    ``actor_path``): the shared state and this rank's own file; returns the step to continue from.
+
+    Raises:
+        ValueError: the checkpoint has no file of this rank (``checkpoint.load_rank_state``).
+    """
+    _restore_rank_state(run, load_rank_state(ckpt, run.parallel.ctx.rank))
+    return _restore_run_state(run, load_trainer_state(ckpt))
 
 
 def restore(run: Run, ckpt: Path) -> int:
@@ -353,14 +439,8 @@ def restore(run: Run, ckpt: Path) -> int:
         raise ValueError(
             f"checkpoint {ckpt} does not match the model: missing {missing[:3]}, unexpected {unexpected[:3]}"
         )
-    run.roles.optimizer.load_state_dict(state["optimizer"])
-    set_rng_state(state["rng"])
-    run.roles.generator.set_state(state["generator"])
-    run.train.load_state_dict(state["train_cursor"])
-    if state.get("schedule") is not None and hasattr(run.step_fn, "load_state_dict"):
-        run.step_fn.load_state_dict(state["schedule"])
-    run.updates_skipped = int(state.get("updates_skipped", 0))
-    return int(state["step"])
+    _restore_rank_state(run, state)
+    return _restore_run_state(run, state)
 
 
 def _load_hf_weights(model, weights: dict) -> tuple[list[str], list[str]]:
@@ -391,7 +471,8 @@ def _in_memory_name(key: str, params: dict) -> str:
 
 
 def train(cfg: Config, resume: bool = False, overwrite: bool = False) -> Path:
-    """Run GRPO training as configured; returns the run folder.
+    """Run GRPO training as configured; returns the run folder. Under torchrun every process calls it
+    (module docstring).
 
     Args:
         resume: continue from the run folder's latest checkpoint; a run already at ``run.steps``
@@ -401,21 +482,38 @@ def train(cfg: Config, resume: bool = False, overwrite: bool = False) -> Path:
 
     Raises:
         ConfigError / DatasetError (ValueError): bad config, unreadable dataset or nothing usable left,
-            or a run folder that already holds a run (without ``resume`` or ``overwrite``).
-        ValueError: ``resume`` without a checkpoint, or with one of the other schedule (auto against
-            rollplex); a ``model.suffix_attention`` that cannot run on the run's device
+            or a run folder that already holds a run (without ``resume`` or ``overwrite``); a
+            ``parallel:`` section that does not fit the processes torchrun started or the model.
+        ValueError: ``resume`` without a checkpoint, with one of the other schedule (auto against
+            rollplex), or with one written by another world size or ``parallel:`` section; a
+            ``model.suffix_attention`` that cannot run on the run's device
             (``models.forward.suffix_backend``).
+        parallel.dist.RankFailure: another process of the run failed (its log names the error).
     """
     logging.basicConfig(level=logging.INFO, format="%(message)s")
+    ctx = init_parallel(cfg.parallel)  # torchrun's processes; one process: no process group at all
+    configure_logging(ctx)
+    run_dir = _train(cfg, ctx, resume, overwrite)
+    close_parallel(ctx)
+    return run_dir
+
+
+def _train(cfg: Config, ctx: ParallelContext, resume: bool, overwrite: bool) -> Path:
+    """``train`` on this process of the run ``ctx`` describes."""
     _quiet_library_progress()
     started = time.perf_counter()
     validate_for_training(cfg)  # once per run, before --overwrite clears anything
     check_model_folder(cfg.model.path)  # before anything loads from it, and before --overwrite clears
     check_reward_config(cfg.reward)
+    if ctx.world > 1:
+        check_parallel(cfg.parallel, ctx.world, _text_config(cfg.model.path), cfg.rollout.prompts_per_step)
     backend = _check_suffix_attention(cfg)
-    plan = plan_run(cfg, torch.device(resolve_device(cfg.run)))  # shapes only
+    device = ctx.device if ctx.world > 1 else torch.device(resolve_device(cfg.run))
+    plan = plan_run(cfg, device)  # shapes only
     refuse_unless_fits(plan)  # before step 1, and before --overwrite clears anything
-    _claim_run_dir(Path(cfg.run.out_dir), resume, overwrite)
+    with guard(ctx, "set-up"):
+        if ctx.is_writer:
+            _claim_run_dir(Path(cfg.run.out_dir), resume, overwrite)
     ckpt = _resume_checkpoint(Path(cfg.run.out_dir)) if resume else None  # before anything is written or said
     chosen = (
         "the device and dtype's default" if cfg.model.suffix_attention == "auto" else "model.suffix_attention"
@@ -424,10 +522,18 @@ def train(cfg: Config, resume: bool = False, overwrite: bool = False) -> Path:
     for why, fields in ignored_fields(cfg).items():
         log.warning("%s set, but %s: ignored", ", ".join(fields), why)
     log.info("memory plan, GiB per GPU (h = in the pinned host pool):\n%s", plan.table())
-    run = build_run(cfg, plan)
     step = 0
+    with guard(ctx, "set-up"):
+        if ckpt is not None:
+            check_layout(load_trainer_state(ckpt), layout_key(ctx, cfg), ckpt)
+        actor_path = str(ckpt / "hf") if ckpt is not None and ctx.world > 1 else None
+        run = build_run(cfg, ctx, actor_path, plan)
+        if run.parallel is not None:
+            for line in run.parallel.describe():
+                log.info("%s", line)
+        if ckpt is not None:
+            step = restore(run, ckpt) if run.parallel is None else restore_parallel(run, ckpt)
     if ckpt is not None:
-        step = restore(run, ckpt)
         log.info("resumed from %s at step %d", ckpt, step)
         if step >= cfg.run.steps:  # leave the folder as it is: its config, metrics and trace stay
             log.info(
@@ -436,27 +542,33 @@ def train(cfg: Config, resume: bool = False, overwrite: bool = False) -> Path:
                 cfg.run.steps,
             )
             return run.run_dir
-    run.run_dir.mkdir(parents=True, exist_ok=True)
-    save_config(cfg, run.run_dir / "config.yaml")
+    if ctx.is_writer:
+        run.run_dir.mkdir(parents=True, exist_ok=True)
+        save_config(cfg, run.run_dir / "config.yaml")
     resume_step = step if resume else None  # metrics and trace spans after it are replaced
-    metrics = MetricSinks.open(run.run_dir, cfg.logging, config_to_dict(cfg), resume_step=resume_step)
+    metrics = MetricSinks.open(
+        run.run_dir, cfg.logging, config_to_dict(cfg), resume_step=resume_step, enabled=ctx.is_writer
+    )
     trace_path = run.run_dir / TRACE_FILE
-    earlier_trace = read_chrome_trace(trace_path) if resume else None
-    first_eval = {} if resume else _maybe_eval(run, step, force=True)
+    earlier_trace = read_chrome_trace(trace_path) if resume and ctx.is_writer else None
+    with guard(ctx, "evaluation"):
+        first_eval = {} if resume else _maybe_eval(run, step, force=True)
     if first_eval:
         metrics.write({"step": step, **first_eval})
     timer = PhaseTimer(sync=torch.cuda.synchronize if run.device.type == "cuda" else None)
     record: dict = {}
-    bar = ProgressBar(total=cfg.run.steps, initial=step, enabled=cfg.run.progress)
+    bar = ProgressBar(total=cfg.run.steps, initial=step, enabled=cfg.run.progress and ctx.is_writer)
     # sinks closed and warnings no longer routed above the bar on leaving; GcClock: see step_done
     with metrics, bar, GcClock() as gc_clock:
         while step < cfg.run.steps:
             timer.step = step + 1  # the trace's spans carry the step metrics.jsonl numbers them by
-            record = _train_step(run, step, timer, gc_clock)
+            with guard(ctx, f"step {step + 1}"):
+                record = _train_step(run, step, timer, gc_clock)
             run.updates_skipped += record["skipped_updates"]
             step += 1
             gc_clock.step_done(cfg.run.steps - step)  # the long-lived heap out of later passes
-            record.update(_maybe_eval(run, step, force=step == cfg.run.steps, timer=timer))
+            with guard(ctx, "evaluation"):
+                record.update(_maybe_eval(run, step, force=step == cfg.run.steps, timer=timer))
             metrics.write(record)
             bar.update(record)
             if not cfg.run.progress and (step % cfg.run.log_every == 0 or step == cfg.run.steps):
@@ -466,19 +578,61 @@ def train(cfg: Config, resume: bool = False, overwrite: bool = False) -> Path:
                 with timer.phase("checkpoint", count=False):
                     # a cycle that died among the frozen objects waits no longer
                     gc_clock.refreeze(cfg.run.steps - step)
-                    save_checkpoint(
-                        run.run_dir,
-                        step,
-                        model=run.roles.actor,
-                        processor=run.processor,
-                        trainer_state=trainer_state(run, step),
-                        keep=cfg.run.keep_checkpoints,
-                    )
+                    _save(run, step, ctx)
                 # a killed run keeps its trace
-                write_chrome_trace(timer.spans, trace_path, earlier_trace, resume_step, _memory_counters(run))
+                if ctx.is_writer:
+                    counters = _memory_counters(run)
+                    write_chrome_trace(timer.spans, trace_path, earlier_trace, resume_step, counters)
     # the last step always saves a checkpoint, and with it the trace
     _summary(run, first_eval, record, time.perf_counter() - started)
     return run.run_dir
+
+
+def _text_config(path: str):
+    """The language model's config of the checkpoint folder ``path`` (its config.json only)."""
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(path).text_config
+
+
+def layout_key(ctx: ParallelContext, cfg: Config) -> dict:
+    """What a checkpoint must have been written by to resume here (``checkpoint.check_layout``)."""
+    if ctx.world == 1:
+        return {"world": 1}
+    p = cfg.parallel
+    names = ("dp", "tp_train", "tp_rollout", "placement", "rollout_gpus")
+    return {"world": ctx.world, **{name: getattr(p, name) for name in names}}
+
+
+def _save(run: Run, step: int, ctx: ParallelContext) -> None:
+    """The checkpoint of ``step``: one process's, or every rank's part of a parallel run's (rank 0 writes
+    the Hugging Face weights, gathered from the tensor-parallel shards, and the run's state; every rank
+    its optimizer shard and random states)."""
+    cfg = run.cfg
+    if run.parallel is None:
+        save_checkpoint(
+            run.run_dir,
+            step,
+            model=run.roles.actor,
+            processor=run.processor,
+            trainer_state=trainer_state(run, step),
+            keep=cfg.run.keep_checkpoints,
+        )
+        return
+    with guard(ctx, "checkpoint"):
+        weights = run.parallel.full_state_dict(run.roles.actor) if run.parallel.trains else None
+    shared = {**_run_state(run, step), "parallel": layout_key(ctx, cfg)}
+    save_sharded_checkpoint(
+        run.run_dir,
+        step,
+        ctx=ctx,
+        model=run.roles.actor,
+        weights=weights,
+        processor=run.processor,
+        trainer_state=shared,
+        rank_state=_rank_state(run),
+        keep=cfg.run.keep_checkpoints,
+    )
 
 
 def _resume_checkpoint(run_dir: Path) -> Path:
@@ -536,7 +690,14 @@ def _train_step(run: Run, step: int, timer: PhaseTimer, gc_clock: GcClock) -> di
     start = time.perf_counter()
     with timer.phase("data"):
         prompts = run.train.next_batch()
+        if run.parallel is not None:  # this replica's groups (every group on a rollout-only rank)
+            prompts = run.parallel.replica_share(prompts)
     scored, stats, norms, schedule_metrics = run.step_fn(run.roles, prompts, timer)
+    if scored is None:  # a disaggregated rollout-only rank: nothing of its own to report
+        timer.pop()
+        return {"step": step + 1, "skipped_updates": 0}
+    if run.parallel is not None:  # the replicas' actor sums, so every metric is the whole batch's
+        stats = [_reduced(run.parallel, s) for s in stats]
     record = {"step": step + 1, **step_metrics(scored, stats, norms), **schedule_metrics}
     record.update(timer.pop())
     record["time/step"] = time.perf_counter() - start
@@ -550,10 +711,12 @@ def _train_step(run: Run, step: int, timer: PhaseTimer, gc_clock: GcClock) -> di
             len(norms),
         )
     record["skipped_samples"] = len(run.train.skipped) + run.malformed
-    record["lr"] = run.roles.optimizer.lr
+    record["lr"] = learning_rate(step, cfg.optim.lr, cfg.optim.warmup_steps)  # what set_lr was given
     record.update(step_memory(run.device))
     if run.memory is not None:
         record.update(memory_metrics(run.memory))
+    if run.parallel is not None:  # rank 0 writes the slowest rank's times, the replicas' totals
+        record = run.parallel.reduce_record(record)
     return record
 
 
@@ -567,6 +730,12 @@ def _memory_counters(run: Run) -> list[CounterSample]:
         for track, values in (("device GiB", sample.device), ("host pool GiB", sample.host)):
             out.append(CounterSample(track, sample.time, {k: v / 2**30 for k, v in values.items()}))
     return out
+
+
+def _reduced(parallel: ParallelRuntime, stats: ActorStats) -> ActorStats:
+    """One mini-batch's actor sums over the data-parallel replicas (the largest log-prob gap)."""
+    values = parallel.reduce_stats(asdict(stats), frozenset({"logprob_diff_max"}))
+    return ActorStats(**{**values, "tokens": int(values["tokens"])})
 
 
 def step_memory(device: torch.device) -> dict[str, float]:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, fields
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -40,16 +41,21 @@ from rollplex.models.transfer import to_device
 from rollplex.rollout.engine import SamplingParams, generate
 from rollplex.types import PrefixState, Prompt, RolloutBatch, ScoredBatch, ShuffledAccuracy
 
+if TYPE_CHECKING:
+    from rollplex.parallel.runtime import ParallelRuntime
+
 log = logging.getLogger(__name__)
 
 
 @dataclass
 class Roles:
     """What the phases run on: the actor (trained, also read by rollout), the frozen reference, the
-    optimizer, the tokenizer, sampling settings and the sampling generator; and where state lives:
+    optimizer, the tokenizer, sampling settings and the sampling generator; where state lives:
     ``residency`` (memory.residency: the reference paged around the windows that read it; None = every
     class resident, nothing moved) and ``offload`` (memory.saved_offload: the actor prefixes' saved
-    tensors in the host pool between Phase 1 and their backward; None = kept on the device)."""
+    tensors in the host pool between Phase 1 and their backward; None = kept on the device); under
+    torchrun, this rank's part of the parallel run (``parallel``: its rollout engines and data-parallel
+    counts; None in one process)."""
 
     actor: torch.nn.Module
     reference: torch.nn.Module | None
@@ -60,6 +66,7 @@ class Roles:
     config: Config
     residency: Residency | None = None
     offload: SavedTensorOffload | None = None
+    parallel: ParallelRuntime | None = None
 
     @property
     def banned_ids(self) -> torch.Tensor:
@@ -78,9 +85,12 @@ class Roles:
         return SuffixAttention(model.suffix_attention, model.cascade_kernels)
 
 
-def rollout_prefix(roles: Roles, prompts: list[Prompt], sampling: SamplingParams) -> PrefixState:
+def rollout_prefix(roles: Roles, prompts: list[Prompt], sampling: SamplingParams) -> PrefixState | None:
     """The rollout prefix of ``prompts`` under θ_k: detached, last-position log-probs at the sampling
-    temperature (1 when greedy)."""
+    temperature (1 when greedy). None on a rank that does not decode (a disaggregated training rank:
+    the rollout GPUs prefill their own groups)."""
+    if roles.parallel is not None and not roles.parallel.decodes_here:
+        return None
     return prefix_forward(
         roles.actor,
         prompts,
@@ -157,7 +167,13 @@ def rollout_phase(
 ) -> RolloutBatch:
     """N samples per prompt under θ_k, from ``prefix`` (a detached boundary, e.g. the actor's under
     prefill fusion) or from a rollout prefix computed here (no graph); ``before_decode`` runs once the
-    decode step is ready (rollout.engine.generate)."""
+    decode step is ready (rollout.engine.generate). Under torchrun this rank's rollout engine decodes its
+    groups and the replica's responses come back (parallel.engines)."""
+    if roles.parallel is not None:
+        kwargs = {"tokenizer": roles.tokenizer, "generator": roles.generator, "before_decode": before_decode}
+        return roles.parallel.rollout(
+            roles.actor, prompts, prefix, group_size=group_size, params=sampling, **kwargs
+        )
     if prefix is None:
         prefix = rollout_prefix(roles, prompts, sampling)
     return generate(
@@ -187,10 +203,11 @@ def temporal_phase(roles: Roles, rollout: RolloutBatch) -> ShuffledAccuracy:
     m = temporal_samples(cfg.reward, rollout.group_size)
     name = temporal_reward_name(cfg.reward.functions, cfg.reward.temporal_reward)  # the config checks it
     groups = [g for g, prompt in enumerate(rollout.prompts) if prompt.shuffled is not None]
+    twins = [rollout.prompts[g].shuffled for g in groups]
+    if groups or roles.parallel is not None:  # under torchrun every rank joins, groups or not
+        shuffled = rollout_phase(roles, twins, m, roles.sampling)
     if not groups:
         return ShuffledAccuracy([], torch.zeros(0, m), reward=name)
-    twins = [rollout.prompts[g].shuffled for g in groups]
-    shuffled = rollout_phase(roles, twins, m, roles.sampling)
     records = [p.record for p in twins for _ in range(m)]
     rewards = compute_rewards(shuffled.texts, records, [name], rows="shuffled-frame row")
     values, outside = accuracy_range(rewards.per_function[name])
@@ -312,10 +329,10 @@ def actor_backward(
     cfg, rollout = roles.config, scored.rollout
     n, mask = rollout.group_size, rollout.response_mask()
     rows_all = [g * n + i for g in groups for i in range(n)]
-    num_tokens, sums = (
-        int(mask[rows_all].sum()),
-        torch.zeros(len(_SUM_FIELDS), dtype=torch.float64, device=mask.device),
-    )
+    num_tokens, num_seqs = int(mask[rows_all].sum()), len(rows_all)
+    if roles.parallel is not None:  # every replica's loss over the whole batch's counts (B11 across GPUs)
+        num_tokens, num_seqs = roles.parallel.global_counts(num_tokens, num_seqs)
+    sums = torch.zeros(len(_SUM_FIELDS), dtype=torch.float64, device=mask.device)
     micros = _group_slices(groups, cfg.algo.micro_batch_groups)
     offload = roles.offload if prefixes is not None else None
     _prefetch(offload, micros[0] if micros else [])
@@ -357,7 +374,7 @@ def actor_backward(
             m,
             cfg.algo.loss_agg,
             num_tokens=num_tokens,
-            num_seqs=len(rows_all),
+            num_seqs=num_seqs,
             horizon=cfg.rollout.max_response_tokens,
         )
         _prefetch(offload, micros[index + 1] if index + 1 < len(micros) else [])

@@ -553,3 +553,15 @@ def test_bench_help_never_breaks_a_row_or_variant_name(monkeypatch, capsys):
         assert not [line for line in shown.splitlines() if line.endswith("-")], command
         words = {w.strip(",()") for w in shown.split()}
         assert not [name for name in names if name not in words], command
+
+
+def test_under_torchrun_only_train_and_bench_schedule_split_their_work(monkeypatch, capsys):
+    """Started by torchrun with several processes, a one-process command is refused with the rank named
+    (each process would otherwise run it whole and write the same files)."""
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "1")
+    assert main(["bench", "decode", "--preset", "tiny"]) == 2
+    err = capsys.readouterr().err
+    assert "rollplex: error: rank 1: rollplex bench decode runs in one process" in err
+    assert main(["plan", "configs/paper-32b.yaml"]) == 2
+    assert "rank 1: rollplex plan runs in one process" in capsys.readouterr().err

@@ -88,7 +88,10 @@ SPEC_DEFAULTS = {
     },
     "eval": {"every": 0, "num_prompts": 64, "temperature": 0.0},
     "logging": {"tensorboard": False, "wandb": False, "wandb_project": "rollplex"},
-    "parallel": {"dp": 1, "tp_train": 1, "tp_rollout": 1, "placement": "colocated", "rollout_gpus": 0},
+    "parallel": {
+        "dp": 1, "tp_train": 1, "tp_rollout": 1, "placement": "colocated", "rollout_gpus": 0,
+        "shared_weights": True,
+    },
     "memory": {
         "device_budget_gib": 0.0, "margin_gib": 4.0, "workspace_gib": 1.0, "host_budget_gib": 0.0,
         "host_margin_gib": 16.0, "chunk_mib": 128, "optimizer_offload": "auto", "reference_paging": "auto",

@@ -45,7 +45,8 @@ import torch
 from rollplex.bench.common import PromptShape, Workload, bench_device, synthetic_prompt, workload_model
 from rollplex.bench.decode import copy_bandwidth, step_bytes
 from rollplex.bench.fingerprint import differing, first_difference, optimizer_fingerprints, step_fingerprints
-from rollplex.bench.variants import BASELINES, MAIN_ROWS, ROWS
+from rollplex.bench.parallel import run_parallel_schedule_bench, world_size
+from rollplex.bench.variants import BASELINES, MAIN_ROWS, ROWS, TORCHRUN_ROWS
 from rollplex.config import Config, ConfigError, load_config
 from rollplex.determinism import use_deterministic_algorithms
 from rollplex.memory.host_pool import PinnedHostPool
@@ -126,32 +127,6 @@ class _Workload:
         self.pool: PinnedHostPool | None = None  # set by run_schedule_bench
         self.memory: MemoryRuntime | None = None  # the running row's (memory.runtime)
 
-    def config(self, overrides: dict, cfg: ScheduleBenchConfig) -> Config:
-        """Row ``overrides``' config: the workload's settings, then ``cfg.overrides``, then the row's own."""
-        workload = {
-            "rollout.group_size": cfg.group_size,
-            "rollout.prompts_per_step": cfg.groups,
-            "rollout.max_response_tokens": cfg.response_tokens,
-            "reward.functions": "[rollplex.bench.common:distinct_reward]",
-            "schedule.auto_trials": cfg.auto_trials,
-            "rollout.decode_attention": cfg.decode_attention,
-            "rollout.compile_decode": cfg.compile_decode,
-            "rollout.compile_mode": cfg.compile_mode,
-            "rollout.fused_projections": cfg.fused_projections,
-            "rollout.fused_sampling": cfg.fused_sampling,
-            "rollout.fused_gate": cfg.fused_gate,
-            "model.preset": cfg.preset,  # the planner's shapes
-            "model.gradient_checkpointing": cfg.gradient_checkpointing,
-            "model.vision_attention": cfg.vision_attention,
-            "model.vision_mlp_padding": cfg.vision_mlp_padding,
-            "model.compile_layers": cfg.compile_layers,
-            "model.compile_scope": cfg.compile_scope,
-            "run.dtype": cfg.dtype,
-            "run.deterministic": cfg.deterministic,  # recorded; run_schedule_bench sets it process-wide
-        }
-        row = {k: self.sms // 2 if v == "half" else v for k, v in overrides.items()}
-        return load_config(None, [*_items(workload), *cfg.overrides, *_items(row)])
-
     def plan(self, config: Config) -> MemoryPlan:
         """The memory plan of a row's config for this workload's prompt shape."""
         vision = self.shape.length - self.shape.text_tokens
@@ -163,7 +138,7 @@ class _Workload:
         """Fresh roles from the initial weights for one row, its memory set up as a training run's
         (``memory.runtime``: the plan's budget enforced on the device, the reference paged, activations
         offloaded and optimizer state in the host pool where the plan says)."""
-        config = self.config(overrides, cfg)
+        config = row_config(overrides, cfg, self.sms)
         plan = self.plan(config)
         with torch.no_grad():
             for name, value in self.actor.state_dict().items():
@@ -207,6 +182,34 @@ class _Workload:
         if self.device.type == "cuda":
             index = self.device.index if self.device.index is not None else torch.cuda.current_device()
             torch.cuda.set_per_process_memory_fraction(1.0, index)
+
+
+def row_config(overrides: dict, cfg: ScheduleBenchConfig, sms: int) -> Config:
+    """The config of one row: the workload's settings, then ``cfg.overrides``, then the row's own
+    (``overrides``; "half" = half the device's ``sms``)."""
+    workload = {
+        "rollout.group_size": cfg.group_size,
+        "rollout.prompts_per_step": cfg.groups,
+        "rollout.max_response_tokens": cfg.response_tokens,
+        "reward.functions": "[rollplex.bench.common:distinct_reward]",
+        "schedule.auto_trials": cfg.auto_trials,
+        "rollout.decode_attention": cfg.decode_attention,
+        "rollout.compile_decode": cfg.compile_decode,
+        "rollout.compile_mode": cfg.compile_mode,
+        "rollout.fused_projections": cfg.fused_projections,
+        "rollout.fused_sampling": cfg.fused_sampling,
+        "rollout.fused_gate": cfg.fused_gate,
+        "model.preset": cfg.preset,  # the memory planner's shapes
+        "model.gradient_checkpointing": cfg.gradient_checkpointing,
+        "model.vision_attention": cfg.vision_attention,
+        "model.vision_mlp_padding": cfg.vision_mlp_padding,
+        "model.compile_layers": cfg.compile_layers,
+        "model.compile_scope": cfg.compile_scope,
+        "run.dtype": cfg.dtype,
+        "run.deterministic": cfg.deterministic,  # recorded; run_schedule_bench sets it process-wide
+    }
+    row = {k: sms // 2 if v == "half" else v for k, v in overrides.items()}
+    return load_config(None, [*_items(workload), *cfg.overrides, *_items(row)])
 
 
 def _items(settings: dict) -> list[str]:
@@ -457,6 +460,12 @@ def run_schedule_bench(cfg: ScheduleBenchConfig, out: Path | None = None) -> Sch
     repeated = sorted({name for name in cfg.rows if cfg.rows.count(name) > 1})
     if repeated:
         raise ValueError(f"schedule rows given more than once: {repeated} (serial-again repeats serial)")
+    if world_size() > 1:  # under torchrun: every process its shard of each row
+        _checked_overrides(cfg.overrides)
+        return run_parallel_schedule_bench(cfg, out, row_config, ScheduleBenchResult)
+    alone = sorted(set(cfg.rows) & set(TORCHRUN_ROWS))
+    if alone:
+        raise ValueError(f"schedule rows {alone} need several processes: run rollplex bench under torchrun")
     overridden = _checked_overrides(cfg.overrides)
     if cfg.deterministic or overridden.run.deterministic:
         use_deterministic_algorithms()  # before the workload's first product (see its docstring)
@@ -466,7 +475,7 @@ def run_schedule_bench(cfg: ScheduleBenchConfig, out: Path | None = None) -> Sch
     if cfg.compare:
         work.updates = Updates(work.initial, names, cfg.rows)
     # one pinned host pool for every row, as large as the largest row's plan needs (pinned once)
-    pools = [work.plan(work.config(ROWS[name], cfg)).host_pool_bytes for name in cfg.rows]
+    pools = [work.plan(row_config(ROWS[name], cfg, work.sms)).host_pool_bytes for name in cfg.rows]
     work.pool = PinnedHostPool(max(pools, default=0))
     result = ScheduleBenchResult(config=asdict(cfg))
     result.host_pool_pin_s = work.pool.pin_seconds

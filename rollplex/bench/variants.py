@@ -115,6 +115,11 @@ serial-flex           serial, the suffix attention as flex_attention with a bloc
                       the blocks where a response would see another response's keys
                       (model.suffix_attention: flex; CUDA only)
 both-flex             both, likewise
+disaggregated         the paper's Disagg baseline (under torchrun only): half the GPUs only decode,
+                      the other half train, serial schedule; the training half keeps
+                      parallel.tp_train (at most half the GPUs) as dp × tp_train, the rollout half
+                      decodes at parallel.tp_rollout; the new weights go to the rollout GPUs after
+                      every update
 """
 ROWS = {
     "serial": {"schedule.kind": "serial"},
@@ -145,6 +150,12 @@ ROWS = {
     "both-unchunked-optimizer": {**_BOTH, "memory.chunk_mib": _WHOLE_MODEL_MIB},
     "serial-40gib": {"schedule.kind": "serial", "memory.device_budget_gib": 40},
     "both-40gib": {**_BOTH, "memory.device_budget_gib": 40},
+    # parallel.rollout_gpus and the degrees follow the world size under torchrun (bench.parallel.resolve_row)
+    "disaggregated": {
+        "schedule.kind": "serial",
+        "parallel.placement": "disaggregated",
+        "parallel.rollout_gpus": 1,
+    },
     **{
         f"{row}-{name}": {**settings, "model.suffix_attention": name}
         for name in _SUFFIX_ROWS
@@ -159,6 +170,7 @@ BASELINES = {
     name: next((f"serial{end}" for end in _OWN_BASELINE if name.endswith(end)), "serial") for name in ROWS
 }
 MAIN_ROWS = ("serial", "overlap", "fusion", "both", "auto")
+TORCHRUN_ROWS = ("disaggregated",)  # rows that need several processes (rollplex bench under torchrun)
 
 # config fields that set a workload setting of every benchmark (``rollplex bench ... key=value``), each
 # with the benchmark setting (bench.common.Workload field) it sets

@@ -34,6 +34,15 @@ So the result is bitwise the all-resident update: ``torch.optim.AdamW`` over FP3
 ``torch.nn.utils.clip_grad_norm_`` (tests/memory/test_chunked_adamw.py checks masters, moments,
 parameters and norms over several steps, for every chunk size and placement).
 
+Ownership (ZeRO-1, data parallelism: parallel.data_parallel.owned_ranges): with ``owned`` the optimizer
+holds state for those element ranges only and updates only them; the caller's ``grad_norm`` turns this
+rank's pieces of the gradients into the global norm (a collective) before any chunk commits, and after
+the step the caller all-gathers the owned ranges' new values (parallel.data_parallel.gather_owned).
+
+Element order: a parameter is flattened in its storage order, so a row-parallel weight stored
+transposed (parallel.weight_sharing, Case 2: a transposed view of a contiguous slab) is updated in
+place through that slab; AdamW is elementwise, so the order changes nothing.
+
 The state dict keeps the format of the optimizer rollplex had before (FP32 masters under torch AdamW:
 ``{"inner": AdamW state dict, "masters": [...]}``), so checkpoints written before it resume.
 """
@@ -41,7 +50,7 @@ The state dict keeps the format of the optimizer rollplex had before (FP32 maste
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Collection, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterator, Sequence
 
 import torch
 from torch.utils._foreach_utils import _has_foreach_support
@@ -93,10 +102,12 @@ def state_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float32 if dtype in SHADOWED else dtype
 
 
-def chunk_layout(params: Sequence[torch.Tensor], chunk_elements: int) -> list[Chunk]:
+def chunk_layout(
+    params: Sequence[torch.Tensor], chunk_elements: int, owned: Sequence[tuple[int, int, int]] | None = None
+) -> list[Chunk]:
     """Byte-balanced chunks over ``params`` in order: a chunk is filled to ``chunk_elements`` elements
     (splitting a parameter at the boundary) and a new one starts where the parameters' kind (dtype)
-    changes.
+    changes. With ``owned`` ((param index, start, stop) element ranges, in order), only those ranges.
 
     Raises:
         ValueError: ``chunk_elements`` < 1.
@@ -113,13 +124,14 @@ def chunk_layout(params: Sequence[torch.Tensor], chunk_elements: int) -> list[Ch
             chunks.append(Chunk(len(chunks), tuple(pieces), filled, state_dtype(kind), kind in SHADOWED))
         pieces, filled = [], 0
 
-    for index, p in enumerate(params):
+    ranges = owned if owned is not None else [(i, 0, p.numel()) for i, p in enumerate(params)]
+    for index, start, stop in ranges:
+        p = params[index]
         if p.dtype != kind:
             close()
             kind = p.dtype
-        start = 0
-        while start < p.numel():
-            take = min(p.numel() - start, chunk_elements - filled)
+        while start < stop:
+            take = min(stop - start, chunk_elements - filled)
             pieces.append(Piece(index, start, start + take, filled))
             start, filled = start + take, filled + take
             if filled == chunk_elements:
@@ -161,10 +173,15 @@ class ChunkedAdamW:
         host_chunks: indices of the chunks (``chunk_layout``) whose state lives in ``pool``.
         pool: the pinned host pool (required with host chunks).
         transfers: the residency manager's streams (required with host chunks).
+        owned: the (param index, start, stop) element ranges, in storage order, this optimizer holds
+            state for and updates (ZeRO-1; parallel.data_parallel.owned_ranges); None = everything.
+        grad_norm: the global gradient norm from this optimizer's pieces of the gradients, a list of
+            (param index, flat piece in the state dtype) (a collective under parallelism:
+            parallel.optimizer); None = ``torch.nn.utils.clip_grad_norm_``'s formula over the pieces.
 
     Raises:
-        ValueError: a parameter is not contiguous; host chunks without a pool or transfers; the pool
-            is too small (``PinnedHostPool.take``).
+        ValueError: a parameter is neither contiguous nor the transpose of a contiguous 2-D slab; host
+            chunks without a pool or transfers; the pool is too small (``PinnedHostPool.take``).
     """
 
     @classmethod
@@ -207,16 +224,23 @@ class ChunkedAdamW:
         host_chunks: Collection[int] = (),
         pool: PinnedHostPool | None = None,
         transfers: Transfers | None = None,
+        owned: Sequence[tuple[int, int, int]] | None = None,
+        grad_norm: Callable[[list[tuple[int, torch.Tensor]]], torch.Tensor] | None = None,
     ):
         self.params = list(params)
         for i, p in enumerate(self.params):
-            if not p.is_contiguous():
-                raise ValueError(f"ChunkedAdamW: parameter {i} {tuple(p.shape)} is not contiguous")
+            if not (p.is_contiguous() or (p.dim() == 2 and p.t().is_contiguous())):
+                raise ValueError(
+                    f"ChunkedAdamW: parameter {i} {tuple(p.shape)} is neither contiguous nor a transposed "
+                    "contiguous slab"
+                )
         if host_chunks and (pool is None or transfers is None):
             raise ValueError("ChunkedAdamW: host chunks need the residency manager's pool and transfers")
         self.hyper = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay)
         self.device = self.params[0].device if self.params else torch.device("cpu")
-        self.layout = chunk_layout(self.params, chunk_elements)
+        self.owned = [tuple(r) for r in owned] if owned is not None else None
+        self.grad_norm = grad_norm
+        self.layout = chunk_layout(self.params, chunk_elements, self.owned)
         self.host_chunks = frozenset(host_chunks)
         self.transfers = transfers or Transfers(self.device)
         self.state = [self._allocate(c, pool) for c in self.layout]
@@ -242,8 +266,13 @@ class ChunkedAdamW:
                     state[0, piece.offset : piece.offset + piece.numel].copy_(self._flat(piece))
 
     def _flat(self, piece: Piece) -> torch.Tensor:
-        """The parameter's elements of ``piece`` (a view of its storage)."""
-        return self.params[piece.param].detach().view(-1)[piece.start : piece.stop]
+        """The parameter's elements of ``piece`` (a view of its storage, in storage order)."""
+        return storage_flat(self.params[piece.param].detach())[piece.start : piece.stop]
+
+    def _flat_grad(self, piece: Piece) -> torch.Tensor:
+        """The gradient's elements of ``piece``, in the parameter's storage order."""
+        param = self.params[piece.param]
+        return in_storage_order(param.grad, param)[piece.start : piece.stop]
 
     # -- the step -----------------------------------------------------------------------------------
 
@@ -263,17 +292,33 @@ class ChunkedAdamW:
         Returns:
             The global L2 gradient norm before clipping (float; not finite = the step was skipped).
         """
-        grads = self._master_dtype_grads()
-        norm = _total_norm(grads)
+        if self.owned is None and self.grad_norm is None:
+            grads = self._master_dtype_grads()
+            norm = _total_norm(grads)
+            del grads
+        else:
+            norm = self._owned_norm()
         if not torch.isfinite(norm):
             self.zero_grad()
             return float(norm)
         max_norm = max_grad_norm if max_grad_norm > 0 else float("inf")
         coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)  # clip_grads_with_norm_'s coefficient
-        del grads
         self._step_chunks(coef)
         self.zero_grad()
         return float(norm)
+
+    def _owned_norm(self) -> torch.Tensor:
+        """The global norm from this optimizer's pieces of the gradients (``grad_norm``; without it
+        ``_total_norm`` of the pieces)."""
+        pieces = [
+            (piece.param, self._flat_grad(piece).to(chunk.dtype))
+            for chunk in self.layout
+            for piece in chunk.pieces
+            if self.params[piece.param].grad is not None
+        ]
+        if self.grad_norm is not None:
+            return self.grad_norm(pieces)
+        return _total_norm([_LazyUpcast(g, g.dtype) for _, g in pieces])
 
     def _master_dtype_grads(self) -> list[_LazyUpcast | None]:
         """Each parameter's gradient in its state dtype (a transient upcast of bf16 ones, made one at a
@@ -310,7 +355,7 @@ class ChunkedAdamW:
         tensors, opt_state = [], {}
         for piece in live:
             window = slice(piece.offset, piece.offset + piece.numel)
-            grad[window].copy_(self.params[piece.param].grad.reshape(-1)[piece.start : piece.stop])
+            grad[window].copy_(self._flat_grad(piece))
             target = state[0, window] if chunk.shadow else self._flat(piece)
             target.grad = grad[window]
             moments = state[-2:, window]
@@ -358,10 +403,8 @@ class ChunkedAdamW:
             for piece in chunk.pieces:
                 if piece.param == index and row is not None:
                     parts.append(state[row, piece.offset : piece.offset + piece.numel])
-        shape = self.params[index].shape
-        if len(parts) == 1:
-            return parts[0].view(shape)
-        return torch.cat([t.to(parts[0].device) for t in parts]).view(shape)
+        flat = parts[0] if len(parts) == 1 else torch.cat([t.to(parts[0].device) for t in parts])
+        return from_storage_order(flat, self.params[index])
 
     def resident_bytes(self) -> dict[str, dict[str, int]]:
         """Bytes of state per class and place: ``{"master" | "adam": {"device": n, "host": n}}``."""
@@ -375,7 +418,17 @@ class ChunkedAdamW:
 
     def state_dict(self) -> dict:
         """The format of the optimizer rollplex had before: ``{"inner": torch AdamW state dict over parameter indices,
-        "masters": [FP32 CPU tensor per parameter]}`` ("masters" only when a parameter is bf16/fp16)."""
+        "masters": [FP32 CPU tensor per parameter]}`` ("masters" only when a parameter is bf16/fp16).
+        With ``owned`` ranges (this rank's ZeRO-1 shard): ``{"owned": the ranges, "chunks": each chunk's
+        state [F, n] on the CPU, "steps": each parameter's step count or None, "lr"}``."""
+        if self.owned is not None:
+            self.synchronize()
+            return {
+                "owned": list(self.owned),
+                "chunks": [state.detach().to("cpu", copy=True) for state in self.state],
+                "steps": [None if t is None else t.clone() for t in self.steps],
+                "lr": self.lr,
+            }
         state = {}
         for index, name, tensor in self.state_tensors():
             if name != "master":
@@ -402,8 +455,12 @@ class ChunkedAdamW:
         """Load a state dict of ``ChunkedAdamW`` or of the optimizer rollplex had before (the same format).
 
         Raises:
-            ValueError: the saved parameter count or a tensor's shape differs from this optimizer's.
+            ValueError: the saved parameter count or a tensor's shape differs from this optimizer's, or
+                the saved owned ranges are not this optimizer's.
         """
+        if self.owned is not None or "owned" in state:
+            self._load_owned(state)
+            return
         inner = state["inner"]
         saved = inner["param_groups"][0]["params"]
         if len(saved) != len(self.params):
@@ -416,6 +473,29 @@ class ChunkedAdamW:
                 self._load_piece(chunk, host, piece, entries[piece.param], masters)
         self.steps = [None if e is None else e["step"].clone() for e in entries.values()]
         self.hyper["lr"] = inner["param_groups"][0]["lr"]
+
+    def _load_owned(self, state: dict) -> None:
+        """``load_state_dict`` of an owned-ranges state (``state_dict``'s second form)."""
+        saved = [tuple(r) for r in state.get("owned", [])]
+        if self.owned is None or saved != self.owned:
+            raise ValueError(
+                "optimizer state of another ownership: it was saved for element ranges "
+                f"{saved[:2]}..., this optimizer owns {(self.owned or [])[:2]}... (resume with the same "
+                "parallel layout)"
+            )
+        self.synchronize()
+        for target, source in zip(self.state, state["chunks"], strict=True):
+            if target.shape != source.shape:
+                raise ValueError(
+                    f"optimizer chunk of shape {tuple(source.shape)}, expected {tuple(target.shape)}"
+                )
+            target.copy_(source)
+        self.steps = [None if t is None else t.clone() for t in state["steps"]]
+        self.hyper["lr"] = state["lr"]
+        for chunk, chunk_state in zip(self.layout, self.state):  # the parameters from their masters
+            if chunk.shadow:
+                for piece in chunk.pieces:
+                    self._flat(piece).copy_(chunk_state[0, piece.offset : piece.offset + piece.numel])
 
     def _load_piece(self, chunk: Chunk, state: torch.Tensor, piece: Piece, entry, masters) -> None:
         window = slice(piece.offset, piece.offset + piece.numel)
@@ -434,11 +514,28 @@ class ChunkedAdamW:
                 )
             target = state[row, window]
             if source is not None:
-                target.copy_(source.reshape(-1)[piece.start : piece.stop])
+                target.copy_(in_storage_order(source, self.params[piece.param])[piece.start : piece.stop])
             elif name == "master":
                 target.copy_(self._flat(piece))
             else:
                 target.zero_()
+
+
+def storage_flat(param: torch.Tensor) -> torch.Tensor:
+    """The flat view of a parameter's bytes in storage order: ``param`` contiguous, or the transpose of a
+    contiguous 2-D slab (a Case 2 weight, parallel.weight_sharing)."""
+    return param.reshape(-1) if param.is_contiguous() else param.t().reshape(-1)
+
+
+def in_storage_order(tensor: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
+    """``tensor`` (``param``'s shape) flattened in ``param``'s storage order (a view where the layouts
+    agree, else a copy)."""
+    return tensor.reshape(-1) if param.is_contiguous() else tensor.t().reshape(-1)
+
+
+def from_storage_order(flat: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
+    """A flat tensor in ``param``'s storage order as a tensor of ``param``'s shape (a view)."""
+    return flat.view(param.shape) if param.is_contiguous() else flat.view(param.t().shape).t()
 
 
 class _StagingRing:

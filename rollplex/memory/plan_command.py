@@ -7,7 +7,10 @@ The architecture comes from ``model.path``/config.json when ``model.path`` is a 
 ``model.freeze_vision``, ``rollout.fused_projections``, ``run.dtype``); the budgets from ``memory:``.
 Vision tokens per prompt default to the largest video the data settings let through:
 ⌊video_max_frames / 2⌋ frame pairs of ⌊video_max_pixels / 28²⌋ merged tokens, at most the prompt length.
-The parallel degrees come from the config's ``parallel:`` section.
+The parallel degrees come from the config's ``parallel:`` section. Under several processes decode
+reads its fused q/k/v and gate/up weights as views of one buffer (parallel.weight_sharing), so the
+planner counts no concatenated copies there (``fused_views``); the plan also gives the weight-sharing
+split, Case 1/2/3 (tensors, parameters, share of the language model), at tp_train → tp_rollout.
 
 Example:
     text = plan_text(load_config("configs/paper-32b.yaml"), PlanInputs())
@@ -20,9 +23,13 @@ import json
 import os
 from pathlib import Path
 
+import torch
+
 from rollplex.config import Config
 from rollplex.memory.planner import GIB, Budget, Layout, MemoryPlan, Workload, plan_memory
 from rollplex.memory.shapes import Architecture
+from rollplex.models.presets import preset_config
+from rollplex.parallel.weight_sharing import CaseRow, case_rows, classify, format_case_rows, model_heads
 
 MERGED_TOKEN_PIXELS = 28 * 28  # pixels per merged vision token (a 2x2 block of 14x14 patches)
 GPUS_PER_HOST = 8  # an automatic host budget is shared by up to this many GPU processes
@@ -79,6 +86,7 @@ def workload(cfg: Config, inputs: PlanInputs) -> Workload:
         reference=cfg.algo.kl_coef > 0,
         freeze_vision=cfg.model.freeze_vision,
         fused_projections=cfg.rollout.fused_projections,
+        fused_views=cfg.parallel.dp * cfg.parallel.tp_train > 1,  # SharedWeights' fused buffers
         dtype_bytes={"auto": 2, "bfloat16": 2, "float32": 4, "float64": 8}[dtype],
     )
 
@@ -86,7 +94,7 @@ def workload(cfg: Config, inputs: PlanInputs) -> Workload:
 def layout(cfg: Config, inputs: PlanInputs) -> Layout:
     """Parallel degrees of the config's ``parallel:`` section; shared or copied rollout weights."""
     p = cfg.parallel
-    return Layout(p.dp, p.tp_train, p.tp_rollout, not inputs.copied_weights)
+    return Layout(p.dp, p.tp_train, p.tp_rollout, p.shared_weights and not inputs.copied_weights)
 
 
 def budget(cfg: Config, inputs: PlanInputs, world: int) -> Budget:
@@ -147,11 +155,31 @@ def plan_config(cfg: Config, inputs: PlanInputs) -> tuple[MemoryPlan, dict]:
     return plan, described
 
 
+def weight_sharing(cfg: Config) -> list[CaseRow]:
+    """The Case 1/2/3 split of the model's weights at ``parallel.tp_train`` → ``parallel.tp_rollout``
+    (parallel.weight_sharing.classify on the meta device: shapes only)."""
+    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+
+    folder = Path(cfg.model.path) if cfg.model.path else None
+    if folder is not None and (folder / "config.json").is_file():
+        config = Qwen2_5_VLConfig.from_pretrained(folder)
+    else:
+        config = preset_config(cfg.model.preset)
+    with torch.device("meta"):
+        model = Qwen2_5_VLForConditionalGeneration(config)
+    shapes = [(name, tuple(t.shape)) for name, t in model.named_parameters()]
+    p = cfg.parallel
+    return case_rows(classify(shapes, p.tp_train, p.tp_rollout, heads=model_heads(model)), p.tp_rollout)
+
+
 def plan_text(cfg: Config, inputs: PlanInputs, as_json: bool = False) -> str:
-    """What ``rollplex plan`` prints: the inputs and the plan's table, or both as one JSON object."""
+    """What ``rollplex plan`` prints: the inputs, the plan's table and the weight-sharing split, or all
+    as one JSON object."""
     plan, described = plan_config(cfg, inputs)
+    cases = weight_sharing(cfg)
     if as_json:
-        return json.dumps({"inputs": described, **plan.to_json()}, indent=2)
+        sharing = [dataclasses.asdict(row) for row in cases]
+        return json.dumps({"inputs": described, **plan.to_json(), "weight_sharing": sharing}, indent=2)
     w, lay = described["workload"], described["layout"]
     head = (
         f"{described['model']} ({described['parameters'] / 1e9:.2f}B parameters), {w['schedule']} schedule: "
@@ -160,4 +188,7 @@ def plan_text(cfg: Config, inputs: PlanInputs, as_json: bool = False) -> str:
         f"micro-batch; dp={lay['dp']}, tp_train={lay['tp_train']}, tp_rollout={lay['tp_rollout']}, "
         f"{'shared' if lay['shared_weights'] else 'copied'} rollout weights; GiB per GPU"
     )
-    return head + "\n" + plan.table()
+    p = cfg.parallel
+    how = "one physical copy" if lay["shared_weights"] else "rollout keeps its own copy"
+    sharing = [f"weight sharing, tp_train={p.tp_train} -> tp_rollout={p.tp_rollout} ({how}):"]
+    return "\n".join([head, plan.table(), *sharing, *format_case_rows(cases)])

@@ -24,6 +24,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
+from collections.abc import Callable
 
 import torch
 
@@ -113,6 +114,7 @@ def build_memory(
     actor: torch.nn.Module,
     reference: torch.nn.Module | None,
     pool: PinnedHostPool | None = None,
+    make_optimizer: Callable | None = None,
 ) -> MemoryRuntime:
     """The residency manager, chunked optimizer and saved-tensor offload that apply ``plan``: the
     reference paged where the plan pages it, the actor prefixes' saved tensors offloaded where it
@@ -121,6 +123,8 @@ def build_memory(
     Args:
         pool: a host pool to use instead of allocating the plan's (``rollplex bench`` keeps one for all
             rows); it must hold ``plan.host_pool_bytes``.
+        make_optimizer: ``(pool, transfers, host_bytes) -> optimizer`` in place of the one-process
+            ``ChunkedAdamW`` (a parallel run's ZeRO-1 optimizer, parallel.runtime).
     """
     residency = Residency.from_plan(plan, device, pool=pool)
     if reference is not None and plan.reference_paging == "paged":
@@ -130,14 +134,17 @@ def build_memory(
         offload = residency.saved_offload(
             actor, plan.activation_arena_bytes, min_bytes=saved_offload.MIN_OFFLOAD_BYTES
         )
-    optimizer = ChunkedAdamW.for_model(
-        actor,
-        cfg.optim,
-        chunk_mib=cfg.memory.chunk_mib,
-        host_bytes=plan.optimizer_host_bytes,
-        pool=residency.pool,
-        transfers=residency.transfers,
-    )
+    if make_optimizer is not None:
+        optimizer = make_optimizer(residency.pool, residency.transfers, plan.optimizer_host_bytes)
+    else:
+        optimizer = ChunkedAdamW.for_model(
+            actor,
+            cfg.optim,
+            chunk_mib=cfg.memory.chunk_mib,
+            host_bytes=plan.optimizer_host_bytes,
+            pool=residency.pool,
+            transfers=residency.transfers,
+        )
     residency.track_optimizer(optimizer)
     _track_models(residency, actor, reference)
     log.info(

@@ -212,8 +212,7 @@ def prefix_states(
     with grad:
         for prompt in prompts:
             hidden, keys, values = _recorded_prefill(model, prompt)
-            logits = model.lm_head(hidden[:, -1])
-            device = logits.device
+            device = hidden.device
             states.append(
                 PrefixState(
                     keys=keys,
@@ -221,12 +220,22 @@ def prefix_states(
                     prompt_lens=torch.full((1,), prompt.length, device=device),
                     host_prompt_lens=(prompt.length,),
                     next_position=torch.full((1,), prompt.next_position, device=device),
-                    last_logprobs=token_logprobs(logits, temperature, banned_ids.to(device)),
+                    last_logprobs=_last_logprobs(model, hidden[:, -1], temperature, banned_ids.to(device)),
                     content_keys=[prompt.content_key],
                     attached=attached,
                 )
             )
     return states
+
+
+def _last_logprobs(model, hidden: torch.Tensor, temperature: float, banned_ids) -> torch.Tensor:
+    """Full-vocabulary log-probs float32 [G, V] of the last prompt positions' hidden states [G, Hd];
+    under tensor parallelism (``model.rollplex_tp``, parallel.vocab_parallel) the G rows' logits are
+    gathered over the group (G rows only: small)."""
+    tp = getattr(model, "rollplex_tp", None)
+    if tp is not None:
+        return tp.last_logprobs(hidden, temperature, banned_ids)
+    return token_logprobs(model.lm_head(hidden), temperature, banned_ids)
 
 
 def _recorded_prefill(model, prompt: Prompt) -> tuple[torch.Tensor, list[torch.Tensor], list[torch.Tensor]]:
@@ -371,6 +380,11 @@ def _row_chunks(hidden: torch.Tensor, vocab: int) -> list[slice]:
 
 
 def _gathered_logprobs(model, hidden, targets, temperature, banned_ids):
+    """log p_T(targets) [b, L] of hidden [b, L, Hd]; under tensor parallelism from this rank's logit
+    columns and three small all-reduces (``model.rollplex_tp.logprobs``), never the full logits."""
+    tp = getattr(model, "rollplex_tp", None)
+    if tp is not None:
+        return tp.logprobs(hidden, targets, temperature, banned_ids)
     logprobs = token_logprobs(model.lm_head(hidden), temperature, banned_ids)
     return logprobs.gather(2, targets[..., None]).squeeze(2)
 
@@ -390,8 +404,12 @@ def _token_logprobs_chunked(model, hidden, targets, temperature, banned_ids) -> 
 
 @torch.no_grad()
 def _entropy_chunked(model, hidden, temperature, banned_ids) -> torch.Tensor:
-    """Entropy [B, L] of the next-token distributions, without a graph, in row chunks."""
+    """Entropy [B, L] of the next-token distributions, without a graph, in row chunks (under tensor
+    parallelism from this rank's logit columns: ``model.rollplex_tp.entropy``)."""
     chunks = _row_chunks(hidden, model.lm_head.out_features)
+    tp = getattr(model, "rollplex_tp", None)
+    if tp is not None:
+        return torch.cat([tp.entropy(hidden[r], temperature, banned_ids) for r in chunks])
     return torch.cat(
         [entropy_of(token_logprobs(model.lm_head(hidden[r]), temperature, banned_ids)) for r in chunks]
     )

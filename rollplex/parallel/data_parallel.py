@@ -16,10 +16,12 @@ transposed), which elementwise AdamW does not mind.
 Metrics (``reduce_metrics``): rank 0 prints the slowest rank's times (MAX), the sums of counts, and
 the mean of everything else.
 
-Integration (later): loop.py gives each replica ``local_groups``; algo's loss takes the token count from
-``global_count``; after the last micro-batch's backward ``all_reduce_gradients(params, ctx.dp)``; the
-gradient norm for clipping is then equal on every rank; the chunked optimizer steps ``owned_ranges``
-and calls ``gather_owned``, then ``SharedWeights.refresh``; the metrics line is ``reduce_metrics``.
+Where the run uses them: the loop gives each replica its block of the step's groups
+(``parallel.runtime.ParallelRuntime.replica_share``, ``split_range``); phases.actor_backward divides the
+loss by the global token and sequence counts (``ParallelRuntime.global_counts``); the optimizer step
+(parallel.optimizer) runs ``all_reduce_gradients``, the chunked optimizer over ``owned_ranges`` and
+``gather_owned``, then ``SharedWeights.refresh``; rank 0's metrics are reduced by
+``parallel.runtime.step_reduction``.
 """
 
 from __future__ import annotations
@@ -49,6 +51,18 @@ def local_groups(groups: int, dp: Comm) -> range:
         raise ValueError(f"{groups} prompt groups do not split evenly over {dp.size} data-parallel replicas")
     n = groups // dp.size
     return range(dp.rank * n, dp.rank * n + n)
+
+
+def split_range(count: int, parts: int, index: int) -> range:
+    """Part ``index`` of ``parts`` contiguous, nearly equal blocks of ``range(count)``: the first
+    ``count % parts`` blocks hold one item more; a block may be empty. Equal to ``local_groups`` where
+    ``parts`` divides ``count``.
+
+    Example: count 5, parts 2 -> range(0, 3), range(3, 5).
+    """
+    size, extra = divmod(count, parts)
+    start = index * size + min(index, extra)
+    return range(start, start + size + (index < extra))
 
 
 def global_count(count: torch.Tensor, dp: Comm) -> torch.Tensor:

@@ -35,15 +35,18 @@ collectives (a bad record, a missing file on one node), ``guard`` around each ph
 failure flag at the phase's end, so every rank stops at the same boundary: the failed rank re-raises
 its own error and the others raise ``RankFailure`` naming it.
 
-Integration (later): cli.py's ``train`` calls ``init_parallel(cfg.parallel)`` first, then
-``check_parallel`` with the model config, ``configure_logging``, and ``close_parallel`` at the end;
-loop.py writes metrics and checkpoints only where ``ctx.is_writer``, and wraps each phase in
-``guard(ctx, "<phase>")``.
+Where the run uses them: ``loop.train`` calls ``init_parallel(cfg.parallel)`` first, then
+``configure_logging``, ``check_parallel`` with the model's config, and ``close_parallel`` at the end;
+it writes logs, metrics, the trace and checkpoints only where ``ctx.is_writer`` and puts ``guard``
+around set-up, each step, evaluation and each stage of a checkpoint (the phases inside a step differ
+between the training and the rollout ranks of a disaggregated run, so the step is the finest boundary
+every rank shares).
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import os
 from collections.abc import Iterator
@@ -59,6 +62,9 @@ from rollplex.parallel.layout import undivided_size
 log = logging.getLogger("rollplex")
 
 COLLECTIVE_TIMEOUT = timedelta(minutes=30)  # room for rank 0 writing a checkpoint while the others wait
+# how long a failed rank waits at ``guard`` for the others before it exits anyway (they may be held in a
+# collective it never reached; its exit then lets torchrun's agent end them)
+GUARD_WAIT = timedelta(minutes=2)
 
 
 @dataclass(frozen=True)
@@ -94,6 +100,12 @@ class RankLayout:
         if not self.rollout_gpus:
             return tuple(range(self.world))
         return tuple(range(self.world - self.rollout_gpus, self.world))
+
+    def pools(self) -> tuple[tuple[int, ...], ...]:
+        """Colocated: one pool, every rank; disaggregated: the training ranks, then the rollout ranks."""
+        if not self.rollout_gpus:
+            return (tuple(range(self.world)),)
+        return self.training_ranks, self.rollout_ranks
 
     def train_tp(self) -> tuple[tuple[int, ...], ...]:
         t = self.tp_train
@@ -250,8 +262,12 @@ class ParallelContext:
 
     Fields: ``rank``/``world`` (global), ``local_rank`` (GPU index on its node), ``device``,
     ``layout`` (RankLayout), and the groups as ``Comm``s: ``world_comm``, ``train_tp``, ``rollout_tp``,
-    ``share`` (the q ranks whose training shards form one rollout shard), ``dp``. Groups this rank is
-    not a member of (a rollout-only rank's ``train_tp``) are ``SOLO``-like size-1 Comms.
+    ``share`` (the q ranks whose training shards form one rollout shard), ``dp``, ``pool`` (the ranks
+    that run the same phases as this one: every rank when colocated; when disaggregated, the training
+    ranks or the rollout ranks: decode's early stop and the metrics reduce over it), ``watch`` (every
+    rank, a group of its own that only ``guard`` uses, so a guard's collective can never pair with
+    another collective a failed rank left behind). Groups this rank is not a member of (a rollout-only
+    rank's ``train_tp``) are ``SOLO``-like size-1 Comms.
     """
 
     rank: int
@@ -264,6 +280,9 @@ class ParallelContext:
     rollout_tp: Comm
     share: Comm
     dp: Comm
+    pool: Comm = SOLO
+    watch: Comm = SOLO
+    owns_group: bool = False  # init_parallel started the default group (close_parallel stops it)
 
     @property
     def is_writer(self) -> bool:
@@ -299,19 +318,24 @@ def build_context(parallel: ParallelConfig, rank: int, world: int, device: torch
     """
     check_world(parallel, world)
     layout = layout_of(parallel, world)
-    on = dist.is_available() and dist.is_initialized() and world > 1
+    on = world > 1 and dist.is_available() and dist.is_initialized()  # world 1: no torch.distributed call
     everyone = (tuple(range(world)),)
+    world_comm = Comm(everyone[0], rank, dist.group.WORLD if on else None)
+    watch = Comm(everyone[0], rank, dist.new_group(list(everyone[0])) if on else None)
+    pool = world_comm if len(layout.pools()) == 1 else _family(layout.pools(), rank, on)
     return ParallelContext(
         rank=rank,
         world=world,
         local_rank=int(os.environ.get("LOCAL_RANK", rank)),
         device=device,
         layout=layout,
-        world_comm=Comm(everyone[0], rank, dist.group.WORLD if on else None),
+        world_comm=world_comm,
         train_tp=_family(layout.train_tp(), rank, on),
         rollout_tp=_family(layout.rollout_tp(), rank, on),
         share=_family(layout.share(), rank, on),
         dp=_family(layout.dp_groups(), rank, on),
+        pool=pool,
+        watch=watch,
     )
 
 
@@ -331,9 +355,11 @@ def init_parallel(parallel: ParallelConfig, *, init_method: str | None = None) -
     check_world(parallel, world)
     device = torch.device("cpu")
     if torch.cuda.is_available():
-        torch.cuda.set_device(local)
         device = torch.device("cuda", local)
-    if world > 1 and not dist.is_initialized():
+        if world > 1:
+            torch.cuda.set_device(local)
+    owns = world > 1 and not dist.is_initialized()
+    if owns:
         backend = "nccl" if device.type == "cuda" else "gloo"
         dist.init_process_group(
             backend,
@@ -342,26 +368,44 @@ def init_parallel(parallel: ParallelConfig, *, init_method: str | None = None) -
             world_size=world,
             timeout=COLLECTIVE_TIMEOUT,
         )
-    return build_context(parallel, rank, world, device)
+    return dataclasses.replace(build_context(parallel, rank, world, device), owns_group=owns)
 
 
 def close_parallel(ctx: ParallelContext) -> None:
     """End of the run: wait for every rank, then stop the process groups (a process that exits with
-    its groups still running can abort in their threads' teardown). Nothing to do for world 1."""
+    its groups still running can abort in their threads' teardown) where ``init_parallel`` started
+    them (a caller that started its own, a test harness, keeps it). Nothing to do for world 1."""
     if ctx.world > 1 and dist.is_initialized():
-        dist.barrier()
-        dist.destroy_process_group()
+        ctx.watch.all_reduce(torch.zeros(1, device=ctx.device))  # every rank is here
+        if ctx.owns_group:
+            dist.destroy_process_group()
 
 
 def configure_logging(ctx: ParallelContext) -> None:
-    """Ranks other than the writer log warnings and errors only, each line prefixed with its rank."""
+    """Ranks other than the writer log warnings and errors only, each line prefixed with its rank (on
+    the "rollplex" logger's handlers and the root logger's, where ``logging.basicConfig`` puts them)."""
     if ctx.is_writer:
         return
     logger = logging.getLogger("rollplex")
     logger.setLevel(logging.WARNING)
     prefix = f"[rank {ctx.rank}] "
-    for handler in logger.handlers:
+    for handler in (*logger.handlers, *logging.getLogger().handlers):
         handler.setFormatter(logging.Formatter(prefix + "%(levelname)s %(message)s"))
+
+
+def _wait_for_flags(ctx: ParallelContext, flags: torch.Tensor) -> None:
+    """The ranks' failure flags summed over ``ctx.watch`` into ``flags``; a rank that failed itself
+    waits ``GUARD_WAIT`` at most (a timeout leaves ``flags`` as they were)."""
+    if ctx.watch.size == 1:
+        return
+    work = dist.all_reduce(flags, group=ctx.watch.group, async_op=True)
+    if not flags[ctx.rank]:
+        work.wait()
+        return
+    try:
+        work.wait(GUARD_WAIT)
+    except RuntimeError:  # the others are held elsewhere: this rank's own error goes up regardless
+        log.error("rank %d: the other ranks did not reach the guard within %s", ctx.rank, GUARD_WAIT)
 
 
 class RankFailure(RuntimeError):
@@ -375,11 +419,17 @@ def guard(ctx: ParallelContext, where: str) -> Iterator[None]:
 
     The failed rank re-raises its own exception; every other rank raises
     ``RankFailure`` naming the failed ranks and ``where``. An error inside a collective a peer never
-    reaches cannot be caught here: torchrun's agent ends that job (module docstring).
+    reaches cannot be caught here: the failed rank waits ``GUARD_WAIT`` at most for the others (they
+    may be held in a collective it never reached), then raises anyway, and its exit lets torchrun's
+    agent end the job (module docstring). The flags travel on ``ctx.watch``, a group nothing else
+    uses.
 
     Raises:
         RankFailure: another rank raised inside the block.
     """
+    if ctx.world == 1:  # one process: nothing to agree on
+        yield
+        return
     error: BaseException | None = None
     try:
         yield
@@ -387,10 +437,11 @@ def guard(ctx: ParallelContext, where: str) -> Iterator[None]:
         error = err
     flags = torch.zeros(ctx.world, dtype=torch.int32, device=ctx.device)
     flags[ctx.rank] = int(error is not None)
-    ctx.world_comm.all_reduce(flags)
-    failed = [r for r in range(ctx.world) if flags[r]]
     if error is not None:
         log.error("rank %d of %d failed in %s: %s", ctx.rank, ctx.world, where, error)
+        _wait_for_flags(ctx, flags)
         raise error
+    _wait_for_flags(ctx, flags)
+    failed = [r for r in range(ctx.world) if flags[r]]
     if failed:
         raise RankFailure(f"{where}: rank {', '.join(map(str, failed))} failed (its log has the error)")

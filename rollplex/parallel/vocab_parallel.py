@@ -37,7 +37,8 @@ rollout.decode, which must not import this package, test ``getattr(model, "rollp
     rollout.decode.step_inputs             -> tp.embed(token, embedding_shard)
     rollout.decode.layer_post              -> tp.all_reduce(F.linear(attention, wo)) and the same
                                               after down_proj (row-parallel partial sums)
-    rollout.decode.StaticDecoder._step     -> tp.sample(logits_shard, generator, **race options)
+    rollout.decode.StaticDecoder._sample   -> tp.race(logits_shard, noise rows of the full [B, V])
+                                              (rollout.sampler.sample_rows draws the noise)
     rollout.decode.DecodeShape             heads / kv_heads from tp.heads / tp.kv_heads
 """
 
@@ -50,7 +51,7 @@ import torch.nn.functional as F
 
 from rollplex.models.logprobs import NEG_INF, token_logprobs
 from rollplex.parallel.dist import Comm
-from rollplex.parallel.tensor_parallel import gather_from_tp, reduce_from_tp
+from rollplex.parallel.tensor_parallel import gather_from_tp
 from rollplex.rollout.sampler import race_tokens
 
 
@@ -298,11 +299,19 @@ class TensorParallelHead:
         local = ids - self.vocab_start
         outside = (local < 0) | (local >= weight.shape[0])
         out = F.embedding(local.masked_fill(outside, 0), weight).masked_fill(outside[..., None], 0.0)
-        return reduce_from_tp(out, self.comm)
+        return self.all_reduce(out)
 
     def all_reduce(self, partial: torch.Tensor) -> torch.Tensor:
-        """Sum over the group of a row-parallel product's partial sums (decode's o_proj and down_proj),
-        in place; returns it. No autograd (the decode step runs without it)."""
+        """Sum over the group of a row-parallel product's partial sums (decode's o_proj and down_proj):
+        in place in eager mode (returns it); inside torch.compile a functional all-reduce
+        (torch.distributed._functional_collectives), which the compiler can trace and a CUDA graph can
+        capture. No autograd (the decode step runs without it)."""
+        if self.comm.size == 1:
+            return partial
+        if torch.compiler.is_compiling():
+            from torch.distributed import _functional_collectives as funcol
+
+            return funcol.all_reduce(partial, "sum", self.comm.group)
         return self.comm.all_reduce(partial)
 
     def race(

@@ -22,11 +22,12 @@ handles Case 3: ``classify(..., training=megatron_shards)`` models the paper's M
 (fused QKV interleaved per key/value group) against a vLLM-style rollout and reproduces its 60.0 /
 32.8 / 7.2 % for Qwen2.5-VL-32B at TP 8 → 4.
 
-Integration (later): the chunked optimizer writes updated BF16 values into the training parameters
-(views: ``storage_view`` gives the contiguous storage-order view to stream through), then
-``refresh()`` before rollout binds θ_{k+1}; ``decode_tensors(i)``, ``embedding()``, ``lm_head()`` and
-``rollout_head()`` are what the decode step reads at TP_rollout; ``case_rows`` is what ``rollplex plan``
-prints.
+Where the run uses it: parallel.runtime binds it when the run is colocated (and on disaggregated
+rollout ranks, at q = 1); the chunked optimizer writes the updated values into the training parameters
+(views, flattened in storage order: ``storage_view``), then ``refresh()`` runs before rollout reads
+θ_{k+1} (parallel.optimizer's ``after_update``); ``decode_tensors(i)``, ``embedding()``, ``lm_head()``
+and ``rollout_head()`` are what the decode step reads at TP_rollout (rollout.decode.EngineShard);
+``case_rows`` is what the log and ``rollplex plan`` print.
 """
 
 from __future__ import annotations
@@ -304,9 +305,13 @@ class SharedWeights:
         model: a model sharded by ``tensor_parallel.shard_model`` over ``train`` (TP_train).
         train, share, rollout: this rank's training TP, share and rollout TP groups (parallel.dist):
             training rank t holds piece t mod q of rollout shard t // q.
+        copied: keep the rollout buffers apart from the training parameters (a second copy of those
+            weights, ``parallel.shared_weights: false``, the baseline of paper §4.5): ``refresh()`` then
+            first copies each training shard into its piece. Decode reads the same layout either way.
 
     After construction every linear weight and bias of the language model's layers, the embedding
-    and the LM head is a view into a buffer (the old tensors are released), and ``refresh()`` has run.
+    and the LM head is a view into a buffer (the old tensors are released; not with ``copied``), and
+    ``refresh()`` has run.
     Norms and the vision tower are replicated: rollout reads the training tensors themselves (Case 1,
     identical placement), and every rank updates them alike.
 
@@ -314,7 +319,7 @@ class SharedWeights:
         ValueError: the groups do not fit each other (sizes or ranks).
     """
 
-    def __init__(self, model: nn.Module, train: Comm, share: Comm, rollout: Comm):
+    def __init__(self, model: nn.Module, train: Comm, share: Comm, rollout: Comm, *, copied: bool = False):
         if train.size != share.size * rollout.size:
             raise ValueError(f"TP_train {train.size} != share group {share.size} × TP_rollout {rollout.size}")
         if share.rank != train.rank % share.size or rollout.rank != train.rank // share.size:
@@ -323,8 +328,9 @@ class SharedWeights:
                 f"{train.rank // share.size}, got share rank {share.rank}, rollout rank {rollout.rank}"
             )
         self.model, self.share, self.rollout = model, share, rollout
-        self.q, self.piece = share.size, share.rank
+        self.q, self.piece, self.copied = share.size, share.rank, copied
         self._segments: list[torch.Tensor] = []
+        self._copies: list[tuple[nn.Parameter, torch.Tensor, bool]] = []  # with ``copied``
         self._layers: list[dict[str, torch.Tensor]] = []
         lm = model.model.language_model
         for layer in lm.layers:
@@ -358,7 +364,10 @@ class SharedWeights:
     def _bind(self, param: nn.Parameter, segment: torch.Tensor, transposed: bool) -> None:
         piece = segment.chunk(self.q)[self.piece]
         piece.copy_(param.detach().t() if transposed else param.detach())
-        param.data = piece.t() if transposed else piece
+        if self.copied:
+            self._copies.append((param, piece, transposed))
+        else:
+            param.data = piece.t() if transposed else piece
         self._segments.append(segment)
 
     def _bind_layer(self, layer: nn.Module) -> dict[str, torch.Tensor]:
@@ -375,7 +384,10 @@ class SharedWeights:
     def refresh(self) -> None:
         """After an update of the training shards: every segment's other q − 1 pieces from the share
         group, in place (one all-gather per segment; nothing to do when q = 1). Call it when nothing
-        reads the rollout buffers (the Phase-3 barrier)."""
+        reads the rollout buffers (the Phase-3 barrier). With ``copied``, each training shard is first
+        copied into its piece."""
+        for param, piece, transposed in self._copies:
+            piece.copy_(param.detach().t() if transposed else param.detach())
         if self.q == 1:
             return
         for segment in self._segments:

@@ -37,7 +37,7 @@ from rollplex.rollout import sample_kernel
 from rollplex.rollout.decode_kernel import OWN_CHUNK, fused_decode_attention, supports, triton
 from rollplex.rollout.linear_kernel import MAX_ROWS as GATE_MAX_ROWS
 from rollplex.rollout.linear_kernel import gated_up_product
-from rollplex.rollout.sampler import race_tokens, sample_tokens
+from rollplex.rollout.sampler import race_tokens, sample_rows, sample_tokens
 from rollplex.types import PrefixState
 
 log = logging.getLogger(__name__)
@@ -99,6 +99,36 @@ class DecodeShape:
 
 
 LayerTensors = tuple  # (ln1, qkv weights, qkv biases, o_proj, ln2, gate/up weights, down_proj); see below
+
+
+@dataclass(frozen=True, eq=False)
+class EngineShard:
+    """This process's part of a rollout that several processes decode (built by rollplex.parallel; a
+    one-process rollout has none and runs as it always has).
+
+    Fields:
+        weights: what the rollout reads, at TP_rollout, without a copy: ``decode_tensors(i)`` (layer
+            i's tensors in ``_layer_tensors``' fused order, views of the actor's bytes),
+            ``embedding()`` and ``lm_head()`` ([V/tp, Hd] rows of this rank)
+            (parallel.weight_sharing.SharedWeights).
+        head: the rollout TP group's hook (parallel.vocab_parallel.TensorParallelHead: per-rank
+            ``heads`` and ``kv_heads``, ``embed``, ``all_reduce``, the vocabulary-parallel ``race``,
+            ``full_vocab``), or None when TP_rollout is 1 (full-vocabulary products and race).
+        first_row, total_rows: this engine decodes rows [first_row, first_row + B) of a rollout of
+            ``total_rows`` rows over every engine: it draws every row's sampling noise and races on its
+            own (rollout.sampler.sample_rows), so its tokens are those one process would sample.
+        all_finished: bool [] (this engine's rows have all ended) → bool [] (every engine's have):
+            a collective over the decoding processes, so every engine stops at the same round and their
+            generators stay in step.
+        vocab: V, the vocabulary size (the noise's width).
+    """
+
+    weights: object
+    head: object | None
+    first_row: int
+    total_rows: int
+    all_finished: Callable[[torch.Tensor], torch.Tensor]
+    vocab: int
 
 
 def _layer_tensors(layer, fused: bool = False) -> LayerTensors:
@@ -229,18 +259,30 @@ def layer_qkv(
 
 
 def layer_post(
-    hidden: torch.Tensor, attention: torch.Tensor, weights: LayerTensors, shape: DecodeShape
+    hidden: torch.Tensor,
+    attention: torch.Tensor,
+    weights: LayerTensors,
+    shape: DecodeShape,
+    reduce: Callable | None = None,
 ) -> torch.Tensor:
     """After attention [B, H·D]: o_proj, residual, post norm, SiLU-gated MLP, residual → hidden [B, Hd].
     With ``shape.gated_kernel`` (concatenated gate/up weights only), the gate/up product and its SiLU
-    gate are one Triton kernel (rollout.linear_kernel)."""
+    gate are one Triton kernel (rollout.linear_kernel). Under tensor parallelism (``reduce``: the sum
+    over the rollout TP group, ``EngineShard.head.all_reduce``) ``attention`` holds this rank's heads,
+    W_o and W_down this rank's input columns, and the two row-parallel products are partial sums that
+    ``reduce`` adds up before each residual (Megatron-LM's g)."""
     wo, ln2, gate_up, down = weights[3:]
-    hidden = residual_add(hidden, F.linear(attention, wo))
+    hidden = residual_add(hidden, _summed(F.linear(attention, wo), reduce))
     x = rms_norm(hidden, ln2, shape.eps)
     if shape.gated_kernel:
-        return residual_add(hidden, F.linear(gated_up_product(x, gate_up[0]), down))
+        return residual_add(hidden, _summed(F.linear(gated_up_product(x, gate_up[0]), down), reduce))
     gate, up = _project(x, gate_up, None, [down.shape[1]] * 2)
-    return residual_add(hidden, F.linear(F.silu(gate) * up, down))
+    return residual_add(hidden, _summed(F.linear(F.silu(gate) * up, down), reduce))
+
+
+def _summed(partial: torch.Tensor, reduce: Callable | None) -> torch.Tensor:
+    """A row-parallel product's partial sums added over the TP group (``reduce``), or the product."""
+    return partial if reduce is None else reduce(partial)
 
 
 def layer_out(
@@ -253,11 +295,12 @@ def layer_out(
     bias: torch.Tensor,
     weights: LayerTensors,
     shape: DecodeShape,
+    reduce: Callable | None = None,
 ) -> torch.Tensor:
     """Second half of a decoder layer with the dense attention: ``decode_attention`` then
-    ``layer_post``. Shapes as in ``decode_attention``; returns hidden [B, Hd]."""
+    ``layer_post`` (``reduce`` as there). Shapes as in ``decode_attention``; returns hidden [B, Hd]."""
     attention = decode_attention(q, prefix_k, prefix_v, own_k, own_v, bias, shape)
-    return layer_post(hidden, attention, weights, shape)
+    return layer_post(hidden, attention, weights, shape, reduce)
 
 
 def layer_post_qkv(
@@ -269,6 +312,7 @@ def layer_post_qkv(
     sin: torch.Tensor,
     shape: DecodeShape,
     rope: bool = True,
+    reduce: Callable | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """``layer_post`` of one layer, then ``layer_qkv`` of the next, as one function: compiled, the
     residual add ending the layer and the next layer's input norm become one kernel.
@@ -276,12 +320,12 @@ def layer_post_qkv(
     Args:
         hidden: [B, Hd]. attention: [B, H·D]. weights / next_weights: ``_layer_tensors`` of this layer
             and the next. cos/sin: [B, D]. rope: as in ``layer_qkv`` (False for the fused attention,
-            which rotates q and k itself).
+            which rotates q and k itself). reduce: as in ``layer_post``.
 
     Returns:
         hidden [B, Hd] after this layer, and the next layer's q, k, v (shapes as in ``layer_qkv``).
     """
-    hidden = layer_post(hidden, attention, weights, shape)
+    hidden = layer_post(hidden, attention, weights, shape, reduce)
     return (hidden, *layer_qkv(hidden, cos, sin, next_weights, shape, rope))
 
 
@@ -298,12 +342,13 @@ def layer_out_qkv(
     cos: torch.Tensor,
     sin: torch.Tensor,
     shape: DecodeShape,
+    reduce: Callable | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """``layer_out`` (dense attention) of one layer, then ``layer_qkv`` of the next with RoPE, as one
     function (see ``layer_post_qkv``). q .. bias as in ``decode_attention``; hidden, weights,
-    next_weights, cos, sin as in ``layer_post_qkv``. Returns hidden [B, Hd] and the next q, k, v."""
+    next_weights, cos, sin, reduce as in ``layer_post_qkv``. Returns hidden [B, Hd] and the next q, k, v."""
     attention = decode_attention(q, prefix_k, prefix_v, own_k, own_v, bias, shape)
-    return layer_post_qkv(hidden, attention, weights, next_weights, cos, sin, shape)
+    return layer_post_qkv(hidden, attention, weights, next_weights, cos, sin, shape, True, reduce)
 
 
 def step_inputs(
@@ -312,10 +357,14 @@ def step_inputs(
     embedding: torch.Tensor,
     inv_freq: torch.Tensor,
     scale: float,
+    embed: Callable | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The step's embedded tokens hidden [B, Hd] (rows ``token`` int64 [B] of ``embedding`` [V, Hd]) and
-    its rotary tables cos, sin [B, D] in the model's dtype (``rope_tables`` of ``positions``)."""
-    return (F.embedding(token, embedding), *rope_tables(positions, inv_freq, scale, embedding.dtype))
+    its rotary tables cos, sin [B, D] in the model's dtype (``rope_tables`` of ``positions``). Under
+    tensor parallelism ``embedding`` holds this rank's vocabulary rows [V/tp, Hd] and ``embed(token,
+    embedding)`` (``EngineShard.head.embed``) looks them up and sums over the group."""
+    hidden = F.embedding(token, embedding) if embed is None else embed(token, embedding)
+    return (hidden, *rope_tables(positions, inv_freq, scale, embedding.dtype))
 
 
 def step_logits(
@@ -506,6 +555,10 @@ class StaticDecoder:
         generator: device generator of the sampling (None: the default one); on CUDA with graphs it is
             registered with every captured graph, so replays draw the numbers eager steps would.
         token: int64 [B], the token at response position 0 (sampled from the prefix).
+        shard: this process's part of a rollout decoded by several (``EngineShard``), or None: the
+            layer tensors, embedding and LM head come from its shared weights (fused views, no copy),
+            head counts are per rank, the row-parallel products are summed by its head's
+            ``all_reduce``, and sampling races this engine's rows of the whole rollout's noise.
 
     Raises:
         ValueError: the model's MLP activation is not SiLU (the only one Qwen2.5-VL uses), sliding-
@@ -522,6 +575,7 @@ class StaticDecoder:
         record: DecodeRecord,
         token: torch.Tensor,
         generator: torch.Generator | None = None,
+        shard: EngineShard | None = None,
     ):
         lm = model.model.language_model
         config = lm.config
@@ -536,23 +590,30 @@ class StaticDecoder:
                 f"decode record has {record.responses.shape[1]} columns, needs {self.steps_total + 1}"
             )
         keys = prefix.keys[0]
+        head = shard.head if shard is not None else None
+        fused = params.fused_projections or shard is not None  # a shard's views are fused, copy-free
         self.shape = DecodeShape(
             groups=keys.shape[0],
             group_size=group_size,
-            heads=config.num_attention_heads,
+            heads=head.heads if head is not None else config.num_attention_heads,
             kv_heads=keys.shape[1],
             head_dim=keys.shape[3],
             budget=max(1, self.steps_total),
             scaling=float(lm.layers[0].self_attn.scaling),
             eps=float(lm.layers[0].input_layernorm.variance_epsilon),
             gated_kernel=params.fused_gate
-            and params.fused_projections
+            and fused
             and fused_gate_runs(keys.device)
             and keys.shape[0] * group_size <= GATE_MAX_ROWS,
         )
         self.model, self.prefix, self.params, self.record = model, prefix, params, record
-        self.generator = generator
-        self.weights = [_layer_tensors(layer, params.fused_projections) for layer in lm.layers]
+        self.generator, self.shard = generator, shard
+        self.reduce = head.all_reduce if head is not None else None
+        self.embed = head.embed if head is not None else None
+        if shard is None:
+            self.weights = [_layer_tensors(layer, params.fused_projections) for layer in lm.layers]
+        else:
+            self.weights = [shard.weights.decode_tensors(i) for i in range(len(lm.layers))]
         self.inv_freq, self.rope_scale = lm.rotary_emb.inv_freq, float(lm.rotary_emb.attention_scaling)
         rows, device = self.shape.rows, keys.device
         cache_shape = (rows, self.shape.kv_heads, self.shape.budget, self.shape.head_dim)
@@ -572,8 +633,10 @@ class StaticDecoder:
         self.window = min(resolve_graph_window(params.graph_window, self.attention), self.shape.budget)
         self.layer_fns: LayerFns = EAGER_LAYER_FNS
         self.race: Callable = race_tokens
-        if params.fused_sampling and fused_sampling_runs(device):
+        if params.fused_sampling and fused_sampling_runs(device) and head is None:
             self.race = sample_kernel.fused_race
+        if head is not None:
+            self.race = head.race
         if params.compile and use_cuda:
             self.layer_fns = _compiled_layer(params.compile_mode)
         self.use_graphs = params.cuda_graphs and use_cuda
@@ -598,8 +661,9 @@ class StaticDecoder:
         it rotates them, and writes the step's key/value into the cache itself."""
         lm, s, fns = self.model.model.language_model, self.shape, self.layer_fns
         positions = self.first_position + self.step_index
-        embedding = lm.embed_tokens.weight
-        hidden, cos, sin = fns.inputs(self.token, positions, embedding, self.inv_freq, self.rope_scale)
+        embedding = lm.embed_tokens.weight if self.shard is None else self.shard.weights.embedding()
+        rope = (self.inv_freq, self.rope_scale)
+        hidden, cos, sin = fns.inputs(self.token, positions, embedding, *rope, self.embed)
         fused = self.attention == "triton"
         bias = None if fused else self._bias(length)
         q, k, v = fns.qkv(hidden, cos, sin, self.weights[0], s, not fused)
@@ -614,19 +678,24 @@ class StaticDecoder:
                     cos=cos, sin=sin, own_chunk=OWN_CHUNK,  # resolve_graph_window's chunk
                 )  # fmt: skip
                 if nxt is None:
-                    hidden = fns.post(hidden, attention, weights, s)
+                    hidden = fns.post(hidden, attention, weights, s, self.reduce)
                 else:
-                    hidden, q, k, v = fns.post_qkv(hidden, attention, weights, nxt, cos, sin, s, False)
+                    hidden, q, k, v = fns.post_qkv(
+                        hidden, attention, weights, nxt, cos, sin, s, False, self.reduce
+                    )
             else:
                 own_k.index_copy_(2, self.step_index, k[:, :, None])
                 own_v.index_copy_(2, self.step_index, v[:, :, None])
                 attend = (hidden, q, keys, values, own_k, own_v, bias, weights)
                 if nxt is None:
-                    hidden = fns.out(*attend, s)
+                    hidden = fns.out(*attend, s, self.reduce)
                 else:
-                    hidden, q, k, v = fns.out_qkv(*attend, nxt, cos, sin, s)
+                    hidden, q, k, v = fns.out_qkv(*attend, nxt, cos, sin, s, self.reduce)
         head = self.model.lm_head
-        return fns.logits(hidden, lm.norm.weight, head.weight, head.bias, float(lm.norm.variance_epsilon))
+        weight, bias = (
+            (head.weight, head.bias) if self.shard is None else (self.shard.weights.lm_head(), None)
+        )
+        return fns.logits(hidden, lm.norm.weight, weight, bias, float(lm.norm.variance_epsilon))
 
     def _bias(self, length: int) -> torch.Tensor:
         """Additive mask float32 [B, 1, 1, P + L] of the dense attention: prompt padding and own slots
@@ -635,9 +704,26 @@ class StaticDecoder:
         own_bias = torch.where(own, 0.0, NEG_INF).expand(self.shape.rows, -1)
         return torch.cat([self.prefix_bias, own_bias], dim=1)[:, None, None, :]
 
+    def _sample(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Tokens int64 [B] and log-probs float32 [B] of this step's logits [B, V] (or this rank's
+        vocabulary columns [B, V/tp]): ``SamplingParams.sample``, or with a shard its rows of the whole
+        rollout's noise (``EngineShard``)."""
+        if self.shard is None:
+            return self.params.sample(logits, self.generator, self.race)
+        rows = (self.shard.first_row, self.shard.total_rows)
+        options = self.params.race_options()
+        return sample_rows(
+            logits, rows=rows, vocab=self.shard.vocab, generator=self.generator, race=self.race, **options
+        )
+
+    def finished(self) -> torch.Tensor:
+        """bool []: every row has ended (with a shard: every engine's rows; a collective)."""
+        done = self.record.done.all()
+        return done if self.shard is None else self.shard.all_finished(done)
+
     def _step(self, length: int) -> None:
         """One decode step on the device: forward, sample, record position step + 1, advance."""
-        token, logprob = self.params.sample(self._forward(length), self.generator, self.race)
+        token, logprob = self._sample(self._forward(length))
         self.step_index += 1
         self.record.write(token, logprob, self.step_index)
         self.token.copy_(token)
@@ -709,11 +795,12 @@ class StaticDecoder:
         """Build the fused sampling race's kernels before capture, on noise of ones (no random numbers
         drawn); a failure falls back to the eager race with a warning."""
         p = self.params
-        noise = None if p.temperature == 0 else torch.ones_like(logits, dtype=torch.float32)
+        vocab = self.shard.vocab if self.shard is not None else logits.shape[1]
+        noise = None if p.temperature == 0 else logits.new_ones((logits.shape[0], vocab), dtype=torch.float32)
         try:
             self.race(logits, noise, **p.race_options())
         except Exception as err:  # noqa: BLE001 - any compiler failure leaves a working eager path
-            if self.race is race_tokens:
+            if self.race is not sample_kernel.fused_race:
                 raise
             log.warning("fused sampling failed (%s: %s); using the eager race", type(err).__name__, err)
             self.race = race_tokens

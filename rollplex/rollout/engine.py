@@ -25,7 +25,14 @@ from dataclasses import replace
 
 import torch
 
-from rollplex.rollout.decode import DecodeRecord, SamplingParams, StaticDecoder
+from rollplex.rollout.decode import (
+    DecodeRecord,
+    EngineShard,
+    SamplingParams,
+    StaticDecoder,
+    decode_steps,
+)
+from rollplex.rollout.sampler import race_tokens, sample_rows
 from rollplex.types import DecodeTimeline, PrefixState, Prompt, RolloutBatch
 
 
@@ -69,20 +76,85 @@ class _DecodeClock:
         return DecodeTimeline(marks)
 
 
-def _decode(decoder: StaticDecoder, clock: _DecodeClock, flags: torch.Tensor) -> None:
+def _decode(decoder: StaticDecoder | IdleDecoder, clock: _DecodeClock, flags: torch.Tensor) -> None:
     """Run rounds until every row has finished or the budget is spent. The "all finished" flag of round
-    r goes to ``flags[r]`` (bool [rounds], pinned host memory on CUDA) and is read ``clock.lag`` rounds
-    later, so on CUDA the device never waits for the host."""
+    r (``decoder.finished()``: with an ``EngineShard``, every engine's rows) goes to ``flags[r]`` (bool
+    [rounds], pinned host memory on CUDA) and is read ``clock.lag`` rounds later, so on CUDA the device
+    never waits for the host."""
     lag = clock.lag
     while decoder.rounds < decoder.rounds_total:
         index = decoder.rounds
         steps = decoder.advance()
-        flags[index].copy_(decoder.record.done.all(), non_blocking=True)
+        flags[index].copy_(decoder.finished(), non_blocking=True)
         clock.mark(steps)
         if index >= lag:
             clock.wait(index - lag)
             if bool(flags[index - lag]):
                 break
+
+
+class IdleDecoder:
+    """The decode loop of an engine with no rows in a rollout that other engines decode (an
+    ``EngineShard`` whose groups are all elsewhere): each step draws the whole rollout's noise, as the
+    other engines' steps do, and each round joins their "every row finished" collective, so the
+    generators stay in step and every engine stops at the same round. Nothing is decoded."""
+
+    def __init__(self, params: SamplingParams, shard: EngineShard, generator, device: torch.device):
+        self.params, self.shard, self.generator, self.device = params, shard, generator, device
+        self.steps_per_round = params.steps_per_round
+        self.rounds_total, self.steps_total = decode_steps(params)
+        self.rounds = self.steps_done = 0
+
+    def draw(self) -> None:
+        """The noise one sampling step of the rollout draws (nothing when greedy)."""
+        if self.params.temperature > 0:
+            shape = (self.shard.total_rows, self.shard.vocab)
+            torch.empty(shape, device=self.device).exponential_(generator=self.generator)
+
+    def advance(self) -> int:
+        steps = min(self.steps_per_round, self.steps_total - self.steps_done)
+        for _ in range(steps):
+            self.draw()
+        self.rounds += 1
+        self.steps_done += steps
+        return self.steps_done
+
+    def finished(self) -> torch.Tensor:
+        return self.shard.all_finished(torch.ones((), dtype=torch.bool, device=self.device))
+
+
+def _first_tokens(prefix: PrefixState, group_size: int, params: SamplingParams, generator, shard):
+    """Tokens int64 [B] and log-probs [B] at response position 0, from the prefix's last log-probs."""
+    # The rollout prefix log-probs are already at temperature T: sampling them at T=1 is the same law.
+    first_params = params if params.temperature == 0 else replace(params, temperature=1.0)
+    logprobs = prefix.last_logprobs.repeat_interleave(group_size, 0)
+    if shard is None:
+        return first_params.sample(logprobs, generator)
+    rows = (shard.first_row, shard.total_rows)
+    options = first_params.race_options()
+    return sample_rows(
+        logprobs, rows=rows, vocab=shard.vocab, generator=generator, race=race_tokens, **options
+    )
+
+
+def _idle_rollout(prompts, params, generator, shard: EngineShard, device) -> RolloutBatch:
+    """``generate`` for an engine without rows (``IdleDecoder``): an empty batch."""
+    idle = IdleDecoder(params, shard, generator, device)
+    idle.draw()  # the first token's noise
+    clock = _DecodeClock(device)
+    if idle.rounds_total:
+        _decode(idle, clock, torch.zeros(idle.rounds_total, dtype=torch.bool, pin_memory=clock.cuda))
+    empty = torch.zeros(0, 0, dtype=torch.long, device=device)
+    return RolloutBatch(
+        prompts=list(prompts),
+        group_size=0,
+        responses=empty,
+        response_lens=torch.zeros(0, dtype=torch.long, device=device),
+        logprobs=torch.zeros(0, 0, device=device),
+        texts=[],
+        truncated=torch.zeros(0, dtype=torch.bool, device=device),
+        timeline=clock.timeline(),
+    )
 
 
 @torch.no_grad()
@@ -96,6 +168,8 @@ def generate(
     tokenizer,
     generator: torch.Generator | None = None,
     before_decode: Callable[[], None] | None = None,
+    shard: EngineShard | None = None,
+    device: torch.device | None = None,
 ) -> RolloutBatch:
     """Sample ``group_size`` responses for each prompt, continuing from ``prefix`` (detached).
 
@@ -106,22 +180,27 @@ def generate(
         generator: device generator for reproducible sampling.
         before_decode: called once the decode step is ready (graphs captured) and before the first
             decode step; the Rollplex schedule starts its concurrent prefix work here.
+        shard: this process's part of a rollout that several processes decode (``EngineShard``; None in
+            one process). ``prefix`` may then hold no group (None), with ``device`` given: the engine
+            keeps step with the others (``IdleDecoder``) and returns an empty batch (group_size 0).
 
     Returns:
         RolloutBatch with responses int64 [B, R] padded with ``pad_id``, lengths, recorded log-probs and
         the decode timeline.
     """
+    if prefix is None:
+        if before_decode is not None:
+            before_decode()
+        return _idle_rollout(prompts, params, generator, shard, device)
     rows, budget = prefix.num_groups * group_size, params.max_tokens
     device = prefix.last_logprobs.device
     params = replace(params, banned_ids=params.banned_ids.to(device))
-    # The rollout prefix log-probs are already at temperature T: sampling them at T=1 is the same law.
-    first_params = params if params.temperature == 0 else replace(params, temperature=1.0)
-    token, lp = first_params.sample(prefix.last_logprobs.repeat_interleave(group_size, 0), generator)
+    token, lp = _first_tokens(prefix, group_size, params, generator, shard)
     record = DecodeRecord.empty(rows, params, device, prefix.last_logprobs.dtype)
     record.write(token, lp, torch.zeros(1, dtype=torch.long, device=device))
     decoder, setup_start = None, time.perf_counter()
     if budget > 1:
-        decoder = StaticDecoder(model, prefix, group_size, params, record, token, generator)
+        decoder = StaticDecoder(model, prefix, group_size, params, record, token, generator, shard)
         decoder.capture()
     setup_s = time.perf_counter() - setup_start if decoder is not None else 0.0
     clock = _DecodeClock(device)

@@ -107,6 +107,46 @@ def sample_tokens(
     return race(logits, noise, temperature=temperature, banned_ids=banned_ids, top_p=top_p, top_k=top_k)
 
 
+def sample_rows(
+    logits: torch.Tensor,
+    *,
+    rows: tuple[int, int],
+    vocab: int,
+    temperature: float,
+    generator: torch.Generator | None,
+    race: Callable,
+    **options,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`sample_tokens` for rows [first, first + B) of a batch of ``total`` rows sampled across
+    several processes (``rows`` = (first, total)): the noise of all ``total`` rows, [total, V], is drawn
+    from ``generator`` as one process would draw it for the whole batch, and this process races its
+    rows. Each process therefore samples the tokens one process would sample for these rows, and every
+    process's generator advances alike. With ``rows`` = (0, B) this is :func:`sample_tokens`.
+
+    Args:
+        logits: float [B, V] (or [B, V/tp], a vocabulary shard, with a ``race`` that takes the full
+            noise, parallel.vocab_parallel). vocab: V, the noise's width.
+        race: :func:`race_tokens` or a function of its contract. Other arguments: :func:`sample_tokens`.
+
+    Returns:
+        (tokens int64 [B], logprobs float32 [B] in nats).
+
+    Raises:
+        ValueError: negative temperature.
+    """
+    if temperature < 0:
+        raise ValueError(f"temperature must be >= 0 (0 = greedy), got {temperature}")
+    noise = None
+    if temperature > 0:
+        first, total = rows
+        dtype = torch.promote_types(logits.dtype, torch.float32)
+        drawn = torch.empty((total, vocab), dtype=dtype, device=logits.device).exponential_(
+            generator=generator
+        )
+        noise = drawn[first : first + logits.shape[0]]
+    return race(logits, noise, temperature=temperature, **options)
+
+
 def race_tokens(
     logits: torch.Tensor,
     noise: torch.Tensor | None,

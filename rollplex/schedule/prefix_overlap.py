@@ -37,7 +37,7 @@ from dataclasses import asdict, dataclass, replace
 
 import torch
 
-from rollplex.config import Config
+from rollplex.config import Config, uses_prefill_fusion
 from rollplex.hooks import span, spanned
 from rollplex.phases import (
     ActorStats,
@@ -232,7 +232,7 @@ def phase1(roles: Roles, prompts: list[Prompt], timer, policy: CoRunPolicy) -> P
     """Rollout plus the reference and actor prefixes under ``policy``."""
     start = timer.now()
     fused, seed = None, None
-    if roles.config.schedule.prefill_fusion or roles.config.schedule.kind == "auto":
+    if uses_prefill_fusion(roles.config):  # auto: where the parallel layout allows it
         with timer.phase("prefix"):
             fused = actor_prefixes(roles, prompts)
         seed = decode_seed(fused)

@@ -8,7 +8,13 @@ import copy
 import pytest
 import torch
 
-from rollplex.memory.chunked_adamw import ChunkedAdamW, chunk_layout, host_chunks_for, host_state_bytes
+from rollplex.memory.chunked_adamw import (
+    ChunkedAdamW,
+    chunk_layout,
+    host_chunks_for,
+    host_state_bytes,
+    storage_flat,
+)
 from rollplex.memory.host_pool import PinnedHostPool
 from rollplex.memory.transfers import Transfers
 
@@ -344,3 +350,75 @@ def test_bitwise_the_all_resident_update_on_cuda_with_streams(placement, dtype):
     opt, params = _run(dtype, 7, placement, 1.0, steps=4, device="cuda")
     if placement != "device":
         assert opt.transfers.load_stream is not None
+
+
+def _slab_params(dtype) -> list[torch.nn.Parameter]:
+    """SHAPES' parameters, the first stored transposed (a Case 2 weight: the transpose of a contiguous
+    slab, parallel.weight_sharing)."""
+    params = _params(dtype)
+    slab = params[0].detach().t().contiguous()
+    params[0] = torch.nn.Parameter(slab.t())
+    assert not params[0].is_contiguous()
+    return params
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("chunk", [4, 16, 1000])
+def test_owned_ranges_of_two_ranks_make_the_whole_update(dtype, chunk):
+    """ZeRO-1: two optimizers, each over its owned ranges (parallel.data_parallel.owned_ranges) of its
+    own copy of the parameters, one a transposed slab, clipped by the global norm given to both: the
+    elements each owns equal the all-resident update bitwise, after 3 steps."""
+    from rollplex.parallel.data_parallel import owned_ranges
+
+    reference = Reference(_slab_params(dtype))
+    ranks = []
+    for rank in range(2):
+        params = _slab_params(dtype)
+        owned = [(o.index, o.start, o.stop) for o in owned_ranges(params, rank, 2)]
+        box = {}
+        opt = ChunkedAdamW(
+            params, **HYPER, chunk_elements=chunk, owned=owned, grad_norm=lambda _, b=box: b["norm"]
+        )
+        ranks.append((params, owned, opt, box))
+    for step in range(3):
+        grads = _grads(reference.params, step)
+        norm = torch.nn.utils.get_total_norm([g.float() for g in grads])
+        want = reference.step([g.clone() for g in grads], 1.0)  # it clips float32 gradients in place
+        for params, _, opt, box in ranks:
+            for p, g in zip(params, grads):
+                p.grad = g.clone()
+            box["norm"] = norm
+            assert opt.clip_and_step(1.0) == want
+    for params, owned, _, _ in ranks:
+        for index, start, stop in owned:
+            got, expected = (
+                storage_flat(params[index].detach()),
+                storage_flat(reference.params[index].detach()),
+            )
+            assert torch.equal(got[start:stop], expected[start:stop]), (index, start, stop)
+
+
+def test_owned_state_saves_and_loads_only_with_the_same_ranges():
+    from rollplex.parallel.data_parallel import owned_ranges
+
+    params = _slab_params(torch.bfloat16)
+    owned = [(o.index, o.start, o.stop) for o in owned_ranges(params, 1, 2)]
+    opt = ChunkedAdamW(
+        params, **HYPER, chunk_elements=8, owned=owned, grad_norm=lambda pieces: torch.tensor(1.0)
+    )
+    for p, g in zip(params, _grads(params, 0)):
+        p.grad = g
+    opt.clip_and_step(0.0)
+    state = opt.state_dict()
+    assert state["owned"] == owned and all(t.device.type == "cpu" for t in state["chunks"])
+    again = ChunkedAdamW(_slab_params(torch.bfloat16), **HYPER, chunk_elements=8, owned=owned)
+    again.load_state_dict(state)
+    assert all(torch.equal(a, b) for a, b in zip(again.state, opt.state))
+    assert [None if s is None else float(s) for s in again.steps] == [
+        None if s is None else float(s) for s in opt.steps
+    ]
+    other = [(o.index, o.start, o.stop) for o in owned_ranges(params, 0, 2)]
+    with pytest.raises(ValueError, match="another ownership"):
+        ChunkedAdamW(_slab_params(torch.bfloat16), **HYPER, chunk_elements=8, owned=other).load_state_dict(
+            state
+        )

@@ -123,3 +123,36 @@ def test_the_paper_config_plans_on_its_layout():
     # one TP-4 rollout shard of the language model (plus the replicated vision tower), in bf16
     rank = Architecture.from_preset("qwen2.5-vl-32b").rank_parameters(4)
     assert rows["snapshot"].naive_gib == rank.total * 2 / 2**30
+
+
+def test_decode_reads_fused_views_under_several_processes():
+    """Under several processes decode's fused q/k/v and gate/up are SharedWeights' buffers (views), so
+    the plan counts no concatenated copies there; one process still makes them (rollout.decode)."""
+    one = load_config("configs/qwen2.5-vl-7b-tp4.yaml", ["parallel.tp_train=1", "parallel.tp_rollout=1"])
+    four = load_config("configs/qwen2.5-vl-7b-tp4.yaml")
+    assert not workload(one, PlanInputs()).fused_views and workload(four, PlanInputs()).fused_views
+    rows = {row.name: row for row in plan_config(four, PlanInputs(device_gib=80))[0].rows}
+    groups, vocab = 8 // 2, 152064  # per rollout engine (tp 4 / 2: two engines); Qwen2.5-VL's vocabulary
+    sampling = groups * 8 * -(-vocab // 2) * 4 * 2  # the race's buffers, no weight copies
+    assert rows["decode_graphs"].gib["rollout"] == pytest.approx(sampling / 2**30)
+
+
+@pytest.mark.parametrize(
+    ("path", "shares"),
+    [
+        ("configs/paper-32b.yaml", ("67.23 %", "32.77 %")),
+        ("configs/qwen2.5-vl-7b-tp4.yaml", ("70.31 %", "29.69 %")),
+    ],
+)
+def test_the_plan_gives_the_case_split(path, shares):
+    """32B at tp 8 -> 4 (configs/paper-32b.yaml) and 7B at 4 -> 2 (configs/qwen2.5-vl-7b-tp4.yaml): one line
+    per case, Case 3 empty in rollplex's own layouts."""
+    cfg = load_config(path)
+    lines = plan_text(cfg, PlanInputs(device_gib=80)).splitlines()
+    cases = [line for line in lines if line.startswith("Case ")]
+    assert [c.split()[:2] for c in cases] == [["Case", "1"], ["Case", "2"], ["Case", "3"]]
+    assert shares[0] in cases[0] and shares[1] in cases[1] and "0.00 %" in cases[2]
+    out = json.loads(plan_text(cfg, PlanInputs(device_gib=80), as_json=True))
+    assert [row["case"] for row in out["weight_sharing"]] == [1, 2, 3] and out["weight_sharing"][2][
+        "params"
+    ] == 0

@@ -78,6 +78,26 @@ def test_config_section_checks_name_the_fields():
         load_config(None, ["parallel.placement=mixed"])
 
 
+def test_prefill_fusion_only_where_rollout_decodes_in_the_training_layout():
+    """The actor prefix's boundary KV has the training layout: prefill fusion is refused at load for
+    tp_train != tp_rollout (naming both) and for the disaggregated placement; auto leaves it off there."""
+    from rollplex.config import uses_prefill_fusion
+
+    degrees = ["parallel.tp_train=4", "parallel.tp_rollout=2"]
+    fused = ["schedule.kind=rollplex", "schedule.prefill_fusion=true"]
+    with pytest.raises(ConfigError, match=r"parallel\.tp_train=4 conflicts with parallel\.tp_rollout=2"):
+        load_config(None, [*degrees, *fused])
+    apart = ["parallel.placement=disaggregated", "parallel.rollout_gpus=1"]
+    with pytest.raises(
+        ConfigError, match=r"schedule\.prefill_fusion=True conflicts with parallel\.placement"
+    ):
+        load_config(None, [*apart, *fused])
+    assert not uses_prefill_fusion(load_config(None, [*degrees, "schedule.kind=auto"]))
+    assert not uses_prefill_fusion(load_config(None, [*apart, "schedule.kind=auto"]))
+    assert uses_prefill_fusion(load_config(None, ["schedule.kind=auto"]))
+    assert uses_prefill_fusion(load_config(None, ["parallel.tp_train=2", "parallel.tp_rollout=2", *fused]))
+
+
 def test_world_size_must_match():
     check_world(ParallelConfig(dp=2, tp_train=4, tp_rollout=2), 8)
     with pytest.raises(
