@@ -27,6 +27,8 @@ import torch
 from rollplex.bench.common import PromptShape, synthetic_prompt
 from rollplex.bench.variants import BASELINES, ROWS
 from rollplex.config import Config, ConfigError, ParallelConfig
+from rollplex.memory.plan_command import PlanInputs
+from rollplex.memory.runtime import build_memory, enforce_budget, plan_run
 from rollplex.models.compiled import compiles_layers
 from rollplex.models.forward import enable_checkpointing, prepare_model
 from rollplex.models.presets import preset_config, vision_special_ids
@@ -174,9 +176,29 @@ def _row_setup(
     banned = torch.tensor(vision_special_ids(actor.config), device=device)
     sampling = SamplingParams.from_config(config.rollout, (eos,), eos, banned)
     generator = torch.Generator(device=device).manual_seed(0)
-    roles = Roles(actor, reference, runtime.optimizer(actor), tokenizer, sampling, generator, config, runtime)
-    step = make_step(config, device) if ctx.trains else rollout_only_step
     shape = PromptShape(cfg.text_tokens, cfg.grid)
+    # this rank's memory as a training run plans and applies it (memory.runtime)
+    vision = shape.length - shape.text_tokens
+    plan = plan_run(config, device, PlanInputs(prompt_tokens=shape.length, vision_tokens=vision))
+    enforce_budget(plan.budget_gib, device)
+
+    def make_optimizer(pool, transfers, host_bytes):
+        return runtime.optimizer(actor, pool=pool, transfers=transfers, host_bytes=host_bytes)
+
+    memory = build_memory(plan, config, device, actor, reference, make_optimizer=make_optimizer)
+    roles = Roles(
+        actor,
+        reference,
+        memory.optimizer,
+        tokenizer,
+        sampling,
+        generator,
+        config,
+        residency=memory.residency,
+        offload=memory.offload,
+        parallel=runtime,
+    )
+    step = make_step(config, device) if ctx.trains else rollout_only_step
     prompts = [synthetic_prompt(actor, shape, seed=g, device=device, dtype=dtype) for g in range(cfg.groups)]
     return roles, step, runtime.replica_share(prompts)
 
