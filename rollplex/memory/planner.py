@@ -10,7 +10,8 @@ dim; ``memory.shapes`` counts parameters):
 - snapshot: the actor's parameters at min(t, r) (shared: one physical copy sized for the rollout shard,
   paper §3.3) or at t (copied) · b; rollout_weights: the rollout shard · b when copied, else 0.
 - reference: the model's parameters at t · b (0 without KL).
-- master: trainable parameters at t · 4 (0 when the model is float32: its own master); adam: · 8.
+- master: trainable parameters at t, divided over the dp ranks (ZeRO-1: each data-parallel rank owns
+  ⌈1/dp⌉ of the optimizer state), · 4 (0 when the model is float32: its own master); adam: · 8.
 - grads: trainable parameters at t · b (rollplex keeps gradients in the parameters' dtype).
 - rollout_kv: 2·L·kv_r·hd·b per token, for G_r·P prompt tokens (once per group; none under prefill
   fusion, where the actor's boundary KV seeds decode) and G_r·N·R own keys.
@@ -393,13 +394,14 @@ def _sizes(s: _Shapes) -> dict[str, dict[str, int]]:
     shard = arch.rank_parameters(min(lay.tp_train, lay.tp_rollout)) if lay.shared_weights else train
     state_bytes = 4 if b < 4 else b
     decoder, vision = layer_saved(arch, lay.tp_train)
+    owned = -(-s.trainable() // lay.dp)  # ZeRO-1: this rank's slice of the optimizer state
     every = dict.fromkeys(WINDOWS)
     sizes = {
         "snapshot": _all(shard.total * b),
         "rollout_weights": _all(0 if lay.shared_weights else rollout.total * b),
         "reference": _all(train.total * b if work.reference else 0),
-        "master": _all(s.trainable() * 4 if b < 4 else 0),
-        "adam": _all(s.trainable() * 2 * state_bytes),
+        "master": _all(owned * 4 if b < 4 else 0),
+        "adam": _all(owned * 2 * state_bytes),
         "grads": {"backward": s.trainable() * b, "update": s.trainable() * b},
         "rollout_kv": {"rollout": _rollout_kv(s)},
         "decode_graphs": {"rollout": _decode_buffers(s, rollout)},

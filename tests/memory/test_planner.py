@@ -229,7 +229,7 @@ def test_prefill_fusion_drops_the_rollout_prompt_kv():
 
 def test_parallel_layout_shards_and_shares():
     """dp 2 · tp_train 2 = 4 GPUs, rollout at tp 1 (4 replicas): training ranks hold 2 groups, rollout
-    replicas 1; shared weights are one copy sized for the rollout shard (the whole model), copied ones
+    replicas 1, and half the optimizer state of their shard; shared weights are one copy sized for the rollout shard (the whole model), copied ones
     a training shard plus a rollout copy."""
     layout = Layout(dp=2, tp_train=2, tp_rollout=1)
     shared = _bytes(plan_memory(TOY, WORK, _budget(10**9), layout))
@@ -238,6 +238,11 @@ def test_parallel_layout_shards_and_shares():
     assert shared["rollout_kv"]["rollout"] == 32 * (10 + 6)
     # 2 groups a rank; per group the KV of one kv head (replicated at tp 2) and 5 vocabulary rows
     assert shared["boundary_kv"]["rollout"] == 2 * 2 * (32 * 10 + 5 * 4)
+    # ZeRO-1: each of the 2 data-parallel ranks owns half of its training shard's optimizer state
+    assert (
+        shared["master"]["update"] == 4 * (784 + 636) // 2
+        and shared["adam"]["update"] == 8 * (784 + 636) // 2
+    )
     copied = _bytes(plan_memory(TOY, WORK, _budget(10**9), dataclasses.replace(layout, shared_weights=False)))
     assert (
         copied["snapshot"]["rollout"] == 2 * (784 + 636) and copied["rollout_weights"]["update"] == 2 * PARAMS
