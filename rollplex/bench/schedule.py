@@ -50,7 +50,7 @@ from rollplex.bench.variants import BASELINES, MAIN_ROWS, ROWS, TORCHRUN_ROWS
 from rollplex.config import Config, ConfigError, load_config
 from rollplex.determinism import use_deterministic_algorithms
 from rollplex.memory.host_pool import PinnedHostPool
-from rollplex.memory.plan_command import PlanInputs
+from rollplex.memory.plan_command import PlanInputs, available_host_gib
 from rollplex.memory.planner import MemoryPlan
 from rollplex.memory.runtime import MemoryRuntime, build_memory, enforce_budget, plan_run
 from rollplex.memory.runtime import step_metrics as memory_metrics
@@ -111,6 +111,8 @@ class _Workload:
         self.reference = copy.deepcopy(self.actor).requires_grad_(False)
         # on the host: a device copy would sit in every row's memory
         self.initial = {k: v.detach().to("cpu", copy=True) for k, v in self.actor.state_dict().items()}
+        # every row plans with the host memory there was before the rows' shared pool was pinned
+        self.host_available_gib = available_host_gib()
         self.tokenizer = build_tokenizer(cfg.preset)
         self.shape = PromptShape(cfg.text_tokens, cfg.grid)
         self.prompts = [
@@ -130,9 +132,10 @@ class _Workload:
     def plan(self, config: Config) -> MemoryPlan:
         """The memory plan of a row's config for this workload's prompt shape."""
         vision = self.shape.length - self.shape.text_tokens
-        return plan_run(
-            config, self.device, PlanInputs(prompt_tokens=self.shape.length, vision_tokens=vision)
+        inputs = PlanInputs(
+            prompt_tokens=self.shape.length, vision_tokens=vision, host_available_gib=self.host_available_gib
         )
+        return plan_run(config, self.device, inputs)
 
     def roles(self, overrides: dict, cfg: ScheduleBenchConfig) -> Roles:
         """Fresh roles from the initial weights for one row, its memory set up as a training run's

@@ -43,6 +43,9 @@ class PlanInputs:
     vision_tokens: int | None = None
     device_gib: float | None = None  # device capacity, GiB (default: CUDA device 0's)
     copied_weights: bool = False
+    # host memory the run may use, GiB (default: available_host_gib() when the plan is made); a process
+    # that plans again after pinning its own pool passes what was available before it pinned
+    host_available_gib: float | None = None
 
 
 def architecture(cfg: Config) -> tuple[Architecture, str]:
@@ -106,7 +109,8 @@ def budget(cfg: Config, inputs: PlanInputs, world: int) -> Budget:
     """
     m = cfg.memory
     device = m.device_budget_gib or _device_capacity_gib(inputs) - m.margin_gib
-    host = m.host_budget_gib or _available_host_gib() / min(world, GPUS_PER_HOST) - m.host_margin_gib
+    available = inputs.host_available_gib if inputs.host_available_gib is not None else available_host_gib()
+    host = m.host_budget_gib or available / min(world, GPUS_PER_HOST) - m.host_margin_gib
     return Budget(
         device_gib=device,
         host_gib=max(0.0, host),
@@ -131,7 +135,7 @@ def _device_capacity_gib(inputs: PlanInputs) -> float:
     return torch.cuda.get_device_properties(0).total_memory / GIB
 
 
-def _available_host_gib() -> float:
+def available_host_gib() -> float:
     """The host memory available now (Linux ``MemAvailable``; all physical memory elsewhere), GiB."""
     try:
         for line in Path("/proc/meminfo").read_text().splitlines():

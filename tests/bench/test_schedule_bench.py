@@ -337,3 +337,23 @@ def test_every_row_is_explained_in_the_help(capsys):
     for row in ROWS:
         line = next((x for x in lines if x.startswith(f"{row} ")), "")
         assert len(line.split()) > 2, row
+
+
+def test_rows_plan_with_the_host_memory_there_was_before_the_shared_pool_was_pinned(monkeypatch):
+    """The rows' pool is pinned before their plans are made again: were the host budget measured then, the
+    pool would count against itself and a row whose state fits the host would find the host full and
+    keep its optimizer state on the device. Every row plans with what was available before."""
+    import rollplex.bench.schedule as bench
+
+    def measured_again():
+        raise AssertionError("a row's plan measured the host again, after the pool was pinned")
+
+    monkeypatch.setattr("rollplex.memory.plan_command.available_host_gib", measured_again)
+    monkeypatch.setattr(bench, "available_host_gib", lambda: 64.0)
+    cfg = _tiny(groups=1, rows=("serial", "both"), overrides=("memory.optimizer_offload=on",))
+    work = _Workload(cfg, torch.device("cpu"))
+    plans = [work.plan(bench.row_config(ROWS[name], cfg, work.sms)) for name in cfg.rows]
+    margin = bench._checked_overrides(cfg.overrides).memory.host_margin_gib
+    assert all(p.fits and p.host_budget_gib == 64.0 - margin for p in plans)
+    result = run_schedule_bench(cfg)
+    assert all("error" not in row for row in result.rows.values())
