@@ -260,6 +260,14 @@ def _timed_row(work: _Workload, name: str, cfg: ScheduleBenchConfig) -> tuple[di
     replaced = sorted({item.partition("=")[0].strip() for item in cfg.overrides} & set(ROWS[name]))
     if replaced:  # the row is what its name says
         print(f"  {name}: the row's own {', '.join(replaced)} replaces the override", flush=True)
+    # the plan is said before anything is allocated, so a row that runs out of memory has said why
+    plan = work.plan(row_config(ROWS[name], cfg, work.sms))
+    print(
+        f"  {name}: plan peak {plan.planned_peak_gib:.1f} GiB of {plan.budget_gib:.1f} "
+        f"({'fits' if plan.fits else 'does not fit: ' + plan.advice}); moves: "
+        f"{', '.join(m.what for m in plan.moves) or 'none'}",
+        flush=True,
+    )
     try:
         return _measured_row(work, name, cfg, work.roles(ROWS[name], cfg))
     finally:
@@ -279,13 +287,6 @@ def _plan_fields(plan: MemoryPlan) -> dict:
 
 
 def _measured_row(work: _Workload, name: str, cfg: ScheduleBenchConfig, roles: Roles):
-    plan = work.memory.plan
-    print(
-        f"  {name}: plan peak {plan.planned_peak_gib:.1f} GiB of {plan.budget_gib:.1f} "
-        f"({'fits' if plan.fits else 'does not fit: ' + plan.advice}); moves: "
-        f"{', '.join(m.what for m in plan.moves) or 'none'}",
-        flush=True,
-    )
     dtype = next(roles.actor.parameters()).dtype
     suffix_backend(work.device, dtype, roles.config.model.suffix_attention)  # the row's can run here
     step = make_step(roles.config, work.device)
@@ -324,7 +325,7 @@ def _measured_row(work: _Workload, name: str, cfg: ScheduleBenchConfig, roles: R
         },
     }
     row["gc_s_by_step"] = collected  # warm-up included
-    row.update(_plan_fields(plan))
+    row.update(_plan_fields(work.memory.plan))
     if work.device.type == "cuda":
         row["peak_memory_gib"] = torch.cuda.max_memory_allocated(work.device) / 2**30
         row["allocated_gib_by_step"] = held
