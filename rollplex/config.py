@@ -412,6 +412,11 @@ class ParallelConfig:
         "colocated: rollout reads the actor's weights in place (one physical copy); false keeps a second, "
         "rollout-layout copy refreshed after every update (the no-sharing baseline)",
     )
+    shard_optimizer: bool = _field(
+        True,
+        "ZeRO-1: each data-parallel rank keeps the FP32 master weights and Adam moments of 1/dp of its "
+        "training shard, the updated weights gathered after the step; false keeps the whole shard's on every rank",
+    )
 
     def __post_init__(self) -> None:
         if self.tp_train % self.tp_rollout:

@@ -90,7 +90,7 @@ SPEC_DEFAULTS = {
     "logging": {"tensorboard": False, "wandb": False, "wandb_project": "rollplex"},
     "parallel": {
         "dp": 1, "tp_train": 1, "tp_rollout": 1, "placement": "colocated", "rollout_gpus": 0,
-        "shared_weights": True,
+        "shared_weights": True, "shard_optimizer": True,
     },
     "memory": {
         "device_budget_gib": 0.0, "margin_gib": 4.0, "workspace_gib": 1.0, "host_budget_gib": 0.0,

@@ -95,9 +95,12 @@ def workload(cfg: Config, inputs: PlanInputs) -> Workload:
 
 
 def layout(cfg: Config, inputs: PlanInputs) -> Layout:
-    """Parallel degrees of the config's ``parallel:`` section; shared or copied rollout weights."""
+    """Parallel degrees of the config's ``parallel:`` section; shared or copied rollout weights; the
+    optimizer state sharded over the data-parallel ranks or not."""
     p = cfg.parallel
-    return Layout(p.dp, p.tp_train, p.tp_rollout, p.shared_weights and not inputs.copied_weights)
+    return Layout(
+        p.dp, p.tp_train, p.tp_rollout, p.shared_weights and not inputs.copied_weights, p.shard_optimizer
+    )
 
 
 def budget(cfg: Config, inputs: PlanInputs, world: int) -> Budget:
@@ -190,7 +193,9 @@ def plan_text(cfg: Config, inputs: PlanInputs, as_json: bool = False) -> str:
         f"G={w['groups']} groups of N={w['group_size']}, P={w['prompt_tokens']} prompt tokens "
         f"({w['vision_tokens']} vision), R={w['response_tokens']}, {w['micro_batch_groups']} group(s) per "
         f"micro-batch; dp={lay['dp']}, tp_train={lay['tp_train']}, tp_rollout={lay['tp_rollout']}, "
-        f"{'shared' if lay['shared_weights'] else 'copied'} rollout weights; GiB per GPU"
+        f"{'shared' if lay['shared_weights'] else 'copied'} rollout weights, optimizer state "
+        f"{'sharded over dp (ZeRO-1)' if lay['shard_optimizer'] and lay['dp'] > 1 else 'whole on each rank'}; "
+        "GiB per GPU"
     )
     p = cfg.parallel
     how = "one physical copy" if lay["shared_weights"] else "rollout keeps its own copy"

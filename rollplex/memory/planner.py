@@ -10,8 +10,8 @@ dim; ``memory.shapes`` counts parameters):
 - snapshot: the actor's parameters at min(t, r) (shared: one physical copy sized for the rollout shard,
   paper §3.3) or at t (copied) · b; rollout_weights: the rollout shard · b when copied, else 0.
 - reference: the model's parameters at t · b (0 without KL).
-- master: trainable parameters at t, divided over the dp ranks (ZeRO-1: each data-parallel rank owns
-  ⌈1/dp⌉ of the optimizer state), · 4 (0 when the model is float32: its own master); adam: · 8.
+- master: trainable parameters at t, divided over the dp ranks (ZeRO-1, ``parallel.shard_optimizer``:
+  each data-parallel rank owns ⌈1/dp⌉ of the optimizer state), · 4 (0 when the model is float32: its own master); adam: · 8.
 - grads: trainable parameters at t · b (rollplex keeps gradients in the parameters' dtype).
 - rollout_kv: 2·L·kv_r·hd·b per token, for G_r·P prompt tokens (once per group; none under prefill
   fusion, where the actor's boundary KV seeds decode) and G_r·N·R own keys.
@@ -145,13 +145,15 @@ class Workload:
 
 @dataclasses.dataclass(frozen=True)
 class Layout:
-    """The parallel layout: training data-parallel degree, TP_train, TP_rollout, and whether rollout
-    reads the actor's weights in place (one physical copy) or keeps its own copy."""
+    """The parallel layout: training data-parallel degree, TP_train, TP_rollout, whether rollout
+    reads the actor's weights in place (one physical copy) or keeps its own copy, and whether the
+    optimizer state is split over the data-parallel ranks."""
 
     dp: int = 1
     tp_train: int = 1
     tp_rollout: int = 1
     shared_weights: bool = True
+    shard_optimizer: bool = True  # ZeRO-1: each dp rank holds 1/dp of its shard's optimizer state
 
     @property
     def world(self) -> int:
@@ -394,7 +396,7 @@ def _sizes(s: _Shapes) -> dict[str, dict[str, int]]:
     shard = arch.rank_parameters(min(lay.tp_train, lay.tp_rollout)) if lay.shared_weights else train
     state_bytes = 4 if b < 4 else b
     decoder, vision = layer_saved(arch, lay.tp_train)
-    owned = -(-s.trainable() // lay.dp)  # ZeRO-1: this rank's slice of the optimizer state
+    owned = -(-s.trainable() // lay.dp) if lay.shard_optimizer else s.trainable()  # ZeRO-1's slice
     every = dict.fromkeys(WINDOWS)
     sizes = {
         "snapshot": _all(shard.total * b),

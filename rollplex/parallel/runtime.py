@@ -123,8 +123,8 @@ class ParallelRuntime:
         return [items[i] for i in block]
 
     def optimizer(self, actor: nn.Module, pool=None, transfers=None, host_bytes: int = 0):
-        """The actor's optimizer on this rank: ZeRO-1 over the data-parallel group
-        (parallel.optimizer), with its first ``host_bytes`` of state in the residency manager's host
+        """The actor's optimizer on this rank: ZeRO-1 over the data-parallel group unless
+        ``parallel.shard_optimizer`` is false (parallel.optimizer), with its first ``host_bytes`` of state in the residency manager's host
         ``pool`` (memory.runtime), or nothing to update on a rank that only decodes."""
         if not self.ctx.trains:
             return NoOptimizer()
@@ -139,6 +139,7 @@ class ParallelRuntime:
             pool=pool,
             transfers=transfers,
             host_bytes=host_bytes,
+            owned=self.cfg.parallel.shard_optimizer,
         )
 
     def after_update(self) -> None:

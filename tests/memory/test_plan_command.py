@@ -78,13 +78,25 @@ def test_text_and_json(config):
     assert header.split()[0] == "state" and "budget 72.0 GiB" in text
     out = json.loads(plan_text(cfg, PlanInputs(), as_json=True))
     assert {"inputs", "naive_gib", "planned_peak_gib", "fits", "rows"} <= out.keys()
-    assert out["inputs"]["layout"] == {"dp": 1, "tp_train": 1, "tp_rollout": 1, "shared_weights": True}
+    assert out["inputs"]["layout"] == {
+        "dp": 1,
+        "tp_train": 1,
+        "tp_rollout": 1,
+        "shared_weights": True,
+        "shard_optimizer": True,
+    }
 
 
 def test_parallel_degrees_come_from_the_config_and_copied_weights_from_the_argument(config):
     cfg = load_config(config, ["parallel.dp=2", "parallel.tp_train=2", "parallel.tp_rollout=1"])
     plan, described = plan_config(cfg, PlanInputs(copied_weights=True))
-    assert described["layout"] == {"dp": 2, "tp_train": 2, "tp_rollout": 1, "shared_weights": False}
+    assert described["layout"] == {
+        "dp": 2,
+        "tp_train": 2,
+        "tp_rollout": 1,
+        "shared_weights": False,
+        "shard_optimizer": True,
+    }
     rows = {row.name: row for row in plan.rows}
     assert rows["rollout_weights"].naive_gib > rows["snapshot"].naive_gib  # the rollout copy is unsharded
     with pytest.raises(ValueError, match="parallel.tp_train=3"):

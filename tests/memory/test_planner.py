@@ -243,6 +243,8 @@ def test_parallel_layout_shards_and_shares():
         shared["master"]["update"] == 4 * (784 + 636) // 2
         and shared["adam"]["update"] == 8 * (784 + 636) // 2
     )
+    whole = _bytes(plan_memory(TOY, WORK, _budget(10**9), dataclasses.replace(layout, shard_optimizer=False)))
+    assert whole["master"]["update"] == 4 * (784 + 636) and whole["adam"]["update"] == 8 * (784 + 636)
     copied = _bytes(plan_memory(TOY, WORK, _budget(10**9), dataclasses.replace(layout, shared_weights=False)))
     assert (
         copied["snapshot"]["rollout"] == 2 * (784 + 636) and copied["rollout_weights"]["update"] == 2 * PARAMS

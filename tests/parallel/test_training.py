@@ -176,13 +176,14 @@ def one_process(assets, tmp_path_factory):
     ("name", "world", "extra"),
     [
         ("dp2", 2, {"parallel.dp": 2}),
+        ("dp2-whole-optimizer", 2, {"parallel.dp": 2, "parallel.shard_optimizer": False}),
         ("tp2", 2, {"parallel.tp_train": 2, "parallel.tp_rollout": 2}),
         ("disaggregated", 2, {"parallel.placement": "disaggregated", "parallel.rollout_gpus": 1}),
         ("dp2-tp2", 4, {"parallel.dp": 2, "parallel.tp_train": 2, "parallel.tp_rollout": 1}),
     ],
 )
 def test_parallel_run_trains_as_one_process(ranks, assets, one_process, tmp_path, name, world, extra):
-    """tiny: dp=2; tp_train = tp_rollout = 2; disaggregated 1 + 1 (the training GPU sends its
+    """tiny: dp=2, with the optimizer state sharded (ZeRO-1) and whole on each rank; tp_train = tp_rollout = 2; disaggregated 1 + 1 (the training GPU sends its
     weights after each update); dp=2 × tp_train=2 with TP_rollout 1 (q = 2: the rollout prefix's
     key/value heads gathered in the share group, two engines per replica)."""
     results = ranks(world, recorded_train, settings(assets, tmp_path / name, **extra))
