@@ -206,7 +206,7 @@ class ModelConfig:
     )
     preset: str = _field(
         "",
-        "model preset whose shapes rollplex plan reads when model.path is empty; '' = none",
+        "model preset whose shapes rollplex plan reads when model.path is not a folder; '' = none",
         choices=("", *MODEL_PRESETS),
     )
 

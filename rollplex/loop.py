@@ -521,7 +521,10 @@ def _train(cfg: Config, ctx: ParallelContext, resume: bool, overwrite: bool) -> 
     log.info("suffix attention (how responses attend to their prompt's keys): %s, %s", backend, chosen)
     for why, fields in ignored_fields(cfg).items():
         log.warning("%s set, but %s: ignored", ", ".join(fields), why)
-    log.info("memory plan, GiB per GPU (h = in the pinned host pool):\n%s", plan.table())
+    if device.type == "cuda":
+        log.info("memory plan, GiB per GPU (h = in the pinned host pool):\n%s", plan.table())
+    else:  # host memory only: the per-GPU table would be all zeros
+        log.info("memory plan: %s device, every class of state resident", device.type)
     step = 0
     with guard(ctx, "set-up"):
         if ckpt is not None:

@@ -533,7 +533,22 @@ def plan_memory(
         window, excess = _worst(s, sizes, place)
         if excess <= 0 or not _move(s, sizes, place, window, excess):
             break
-    return _plan(s, sizes, place)
+    plan = _plan(s, sizes, place)
+    if plan.fits or math.isinf(budget.host_gib):
+        return plan
+    return _with_host_advice(
+        plan, plan_memory(arch, work, dataclasses.replace(budget, host_gib=math.inf), layout)
+    )
+
+
+def _with_host_advice(plan: MemoryPlan, unbounded: MemoryPlan) -> MemoryPlan:
+    """``plan`` (which does not fit), its advice led by the host budget that would make it fit when a
+    larger pinned pool alone would (``unbounded``: the same plan with no host limit)."""
+    if not unbounded.fits or plan.host_budget_gib >= unbounded.host_pool_bytes / GIB:
+        return plan
+    need = math.ceil(unbounded.host_pool_bytes / GIB * 10) / 10
+    host = f"or, alone, memory.host_budget_gib={need:.1f} where the machine has that much host memory"
+    return dataclasses.replace(plan, advice=f"{plan.advice}; {host} (the pinned pool takes the rest)")
 
 
 def _check_budget(budget: Budget) -> None:

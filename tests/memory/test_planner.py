@@ -4,6 +4,7 @@ totals, the naive sum, the order of the moves, the refusal, the host pool size."
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import pytest
 
@@ -322,3 +323,15 @@ def test_an_unbounded_host_budget():
         TOY, WORK, Budget(device_gib=30000 / GIB / (1 - PLAN_HEADROOM), chunk_mib=KIB, workspace_gib=0)
     )
     assert plan.fits and plan.optimizer_host_bytes == 5 * 3072
+
+
+def test_a_plan_short_of_host_memory_says_which_host_budget_makes_it_fit():
+    """Device-limited only because the host pool may not take more: the advice names the host budget
+    that alone makes it fit (the plan with no host limit's pool), and that budget does make it fit."""
+    plan = plan_memory(TOY, WORK, _budget(30000, host=20000))
+    unbounded = plan_memory(TOY, WORK, _budget(30000))
+    assert not plan.fits and unbounded.fits
+    need = math.ceil(unbounded.host_pool_bytes / GIB * 10) / 10
+    assert f"memory.host_budget_gib={need:.1f}" in plan.advice
+    assert plan_memory(TOY, WORK, _budget(30000, host=need * GIB)).fits
+    assert "host_budget" not in plan_memory(TOY, WORK, _budget(10)).advice  # no host budget helps
